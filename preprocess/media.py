@@ -1,0 +1,525 @@
+"""Load images from the sources an OpenAI-style request can name.
+
+A source is a PIL image, a ``data:image/...;base64,`` URI, an ``http(s)://``
+URL, or a ``file://`` URL / plain path (only under an allowed directory).
+Whatever the source, the result is a fully decoded RGB ``PIL.Image.Image``
+and every failure is a ``MediaError`` whose message can go back to the client.
+
+Layout: ``_parse_source`` classifies the source without doing I/O, one
+function per source obtains the encoded bytes (sync and async HTTP share
+their checks), and ``decode_image`` / ``_normalize`` do all validation of the
+pixels, so the sync and async entry points differ only in how they fetch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import io
+import os
+import ssl
+import stat
+import time
+from dataclasses import dataclass
+from typing import Union
+from urllib.parse import SplitResult, unquote, urlsplit
+
+import httpx
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from preprocess.errors import MediaError
+
+__all__ = ["MediaLimits", "decode_image", "load_image", "load_image_async"]
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Per-deployment limits on media a request may reference."""
+
+    # Encoded size cap: data URI payload, HTTP body, local file.
+    max_image_bytes: int = 20 * 1024 * 1024
+    # width*height cap checked from the header before the full decode
+    # (decompression-bomb guard).
+    max_image_pixels: int = 40_000_000
+    # Per network operation *and* overall budget of one download.
+    fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    # Local files are only served from under this directory (after resolving
+    # symlinks and ".."). None refuses every local path.
+    allowed_local_media_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_image_bytes <= 0:
+            raise ValueError("max_image_bytes must be positive")
+        if self.max_image_pixels <= 0:
+            raise ValueError("max_image_pixels must be positive")
+        if self.fetch_timeout_s <= 0:
+            raise ValueError("fetch_timeout_s must be positive")
+        if self.max_redirects < 0:
+            raise ValueError("max_redirects must be >= 0")
+        if self.allowed_local_media_path == "":
+            # realpath("") is the CWD; an empty string is far more likely a
+            # config mistake than a request to expose the working directory.
+            raise ValueError("allowed_local_media_path must be None or a directory")
+
+
+DEFAULT_LIMITS = MediaLimits()
+
+# Formats a VLM client plausibly sends. Pillow can open many more, but some
+# plugins are rarely exercised (more parser bugs) and EPS would shell out to
+# Ghostscript, so untrusted bytes only reach this allowlist. MPO (multi-picture
+# JPEG from phone cameras) is opened by the JPEG plugin.
+_PREFERRED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+_allowed_formats: tuple[str, ...] | None = None
+
+_USER_AGENT = "vlm-engine-media/0.1"
+_HTTP_HEADERS = {
+    "User-Agent": _USER_AGENT,
+    "Accept": "image/*,*/*;q=0.8",
+    # Images are already compressed; asking for identity avoids a gzip layer
+    # whose decompressed size we would only see after inflating it.
+    "Accept-Encoding": "identity",
+}
+
+_WHITE_RGBA = (255, 255, 255, 255)
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_HIGH_BIT_DEPTH_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
+_MAX_DETAIL_CHARS = 200
+
+
+# --------------------------------------------------------------------------
+# Source classification (no I/O)
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _DataUri:
+    mime: str
+    payload: str
+
+
+@dataclass(frozen=True)
+class _HttpUrl:
+    url: str
+
+
+@dataclass(frozen=True)
+class _LocalPath:
+    path: str
+
+
+_Source = Union[Image.Image, _DataUri, _HttpUrl, _LocalPath]
+
+
+def _parse_source(source: object) -> _Source:
+    if isinstance(source, Image.Image):
+        return source
+    if not isinstance(source, str):
+        raise MediaError(
+            f"unsupported image source type {type(source).__name__}; "
+            "expected a URL, data URI, file path or PIL image"
+        )
+    if not source:
+        raise MediaError("empty image source")
+    scheme = _scheme_of(source)
+    if scheme == "data":
+        return _parse_data_uri(source)
+    if scheme in ("http", "https"):
+        if not _split_url(source).hostname:
+            raise MediaError("invalid image URL: missing host")
+        return _HttpUrl(source)
+    if scheme == "file":
+        return _LocalPath(_path_from_file_url(source))
+    if scheme:
+        raise MediaError(
+            f"unsupported image URL scheme {scheme[:20]!r}; "
+            "expected http, https, data or file"
+        )
+    return _LocalPath(source)
+
+
+def _split_url(url: str) -> SplitResult:
+    try:
+        # Rejects malformed bracketed hosts such as "http://[::1/".
+        return urlsplit(url)
+    except ValueError:
+        raise MediaError("invalid image URL") from None
+
+
+def _scheme_of(source: str) -> str:
+    """Lower-cased URL scheme, or "" when ``source`` looks like a plain path."""
+    head, sep, _ = source[:64].partition(":")
+    # RFC 3986 scheme: ALPHA *( ALPHA / DIGIT / "+" / "-" / "." ). Anything
+    # else before the first ":" (e.g. "/a:b.png") is a path.
+    if sep and head[:1].isalpha() and all(c.isalnum() or c in "+-." for c in head):
+        return head.lower()
+    return ""
+
+
+def _parse_data_uri(uri: str) -> _DataUri:
+    header, comma, payload = uri[len("data:"):].partition(",")
+    if not comma:
+        raise MediaError("malformed data URI: missing ','")
+    parts = [p.strip().lower() for p in header.split(";")]
+    mime, params = parts[0], parts[1:]
+    if not mime.startswith("image/"):
+        shown = mime[:64] or "text/plain"  # RFC 2397 default media type
+        raise MediaError(f"unsupported media type {shown!r} in data URI; expected image/*")
+    if not params or params[-1] != "base64":
+        raise MediaError("data URI must be base64-encoded (';base64,')")
+    if not payload:
+        raise MediaError("data URI has an empty payload")
+    return _DataUri(mime=mime, payload=payload)
+
+
+def _path_from_file_url(url: str) -> str:
+    parts = _split_url(url)
+    # Only this machine: "file://otherhost/x" would be a UNC path elsewhere.
+    if parts.netloc not in ("", "localhost"):
+        raise MediaError("file URLs must not name a remote host")
+    path = unquote(parts.path)
+    if not path:
+        raise MediaError("file URL has an empty path")
+    return path
+
+
+# --------------------------------------------------------------------------
+# Obtaining the encoded bytes
+# --------------------------------------------------------------------------
+
+
+def _too_large(limits: MediaLimits) -> MediaError:
+    return MediaError(f"image too large: more than {limits.max_image_bytes} bytes")
+
+
+def _decode_data_uri(uri: _DataUri, limits: MediaLimits) -> bytes:
+    # Reject on the encoded length first so an oversized payload is never
+    # decoded into memory. 4 base64 chars carry 3 bytes.
+    if len(uri.payload) > 4 * -(-limits.max_image_bytes // 3):
+        raise _too_large(limits)
+    try:
+        # validate=True: characters outside the alphabet are an error instead
+        # of being silently skipped, so garbage can't decode to "something".
+        data = base64.b64decode(uri.payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise MediaError("invalid base64 payload in data URI") from None
+    if not data:
+        raise MediaError("data URI has an empty payload")
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(limits)
+    return data
+
+
+def _read_local_file(local: _LocalPath, limits: MediaLimits) -> bytes:
+    if limits.allowed_local_media_path is None:
+        raise MediaError("local file paths are not allowed on this server")
+    if "\0" in local.path:
+        # os functions raise ValueError on NUL; answer like any bad path.
+        raise MediaError("invalid local file path")
+    root = os.path.realpath(limits.allowed_local_media_path)
+    # Relative paths are relative to the allowed directory: the client cannot
+    # know the server's working directory. An absolute path replaces root.
+    real = os.path.realpath(os.path.join(root, local.path))
+    # Containment is checked on the fully resolved path (symlinks and ".."
+    # gone) *before* touching the file, so refusals don't reveal whether a
+    # path outside the directory exists.
+    if os.path.commonpath([root, real]) != root:
+        raise MediaError("local file path is outside the allowed media directory")
+    try:
+        # O_NONBLOCK: opening a FIFO must not hang the worker.
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MediaError("local image file not found") from None
+    except OSError:
+        raise MediaError("local image file cannot be read") from None
+    try:
+        # fstat on the open descriptor: checks the object we will read, not
+        # whatever the path points to by now.
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise MediaError("local image path is not a regular file")
+        if st.st_size > limits.max_image_bytes:
+            raise _too_large(limits)
+        # +1 so a file that grew after fstat is still caught.
+        data = _read_up_to(fd, limits.max_image_bytes + 1)
+    except OSError:
+        raise MediaError("local image file cannot be read") from None
+    finally:
+        os.close(fd)
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(limits)
+    return data
+
+
+def _read_up_to(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = limit
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+@functools.lru_cache(maxsize=1)
+def _ssl_context() -> ssl.SSLContext:
+    # Building a context loads the CA bundle (~35 ms); a fresh client per
+    # image would pay that every time. SSLContext is safe to share.
+    return httpx.create_ssl_context()
+
+
+def _http_client_kwargs(limits: MediaLimits) -> dict:
+    return {
+        "verify": _ssl_context(),
+        "follow_redirects": True,
+        "max_redirects": limits.max_redirects,
+        # httpx timeouts apply per connect/read/write/pool operation; the
+        # overall deadline is enforced separately while streaming.
+        "timeout": httpx.Timeout(limits.fetch_timeout_s),
+        "headers": _HTTP_HEADERS,
+    }
+
+
+def _check_http_response(response: httpx.Response, limits: MediaLimits) -> None:
+    if not response.is_success:
+        raise MediaError(f"failed to fetch image: HTTP {response.status_code}")
+    declared = response.headers.get("content-length", "")
+    # Fail before downloading anything when the server announces the size;
+    # the streaming check below still guards lying or absent headers.
+    if declared.isdigit() and int(declared) > limits.max_image_bytes:
+        raise _too_large(limits)
+
+
+def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: float) -> None:
+    body += chunk
+    if len(body) > limits.max_image_bytes:
+        raise _too_large(limits)
+    # A server trickling bytes never trips the per-read timeout; this bounds
+    # the whole download.
+    if time.monotonic() > deadline:
+        raise _fetch_timeout(limits)
+
+
+def _fetch_timeout(limits: MediaLimits) -> MediaError:
+    return MediaError(f"timed out fetching image (limit {limits.fetch_timeout_s:g}s)")
+
+
+def _http_error(exc: BaseException, limits: MediaLimits) -> MediaError:
+    if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
+        return _fetch_timeout(limits)
+    if isinstance(exc, httpx.TooManyRedirects):
+        return MediaError(f"failed to fetch image: more than {limits.max_redirects} redirects")
+    detail = str(exc)[:_MAX_DETAIL_CHARS] or type(exc).__name__
+    return MediaError(f"failed to fetch image: {detail}")
+
+
+def _fetch_http(url: str, limits: MediaLimits) -> bytes:
+    deadline = time.monotonic() + limits.fetch_timeout_s
+    body = bytearray()
+    try:
+        with httpx.Client(**_http_client_kwargs(limits)) as client:
+            with client.stream("GET", url) as response:
+                _check_http_response(response, limits)
+                for chunk in response.iter_bytes():
+                    _append_chunk(body, chunk, limits, deadline)
+    except MediaError:
+        raise
+    except Exception as exc:  # httpx, ssl, invalid URLs...: all client-facing
+        raise _http_error(exc, limits) from exc
+    return bytes(body)
+
+
+async def _fetch_http_async(url: str, limits: MediaLimits) -> bytes:
+    deadline = time.monotonic() + limits.fetch_timeout_s
+    body = bytearray()
+    try:
+        # asyncio.timeout also cancels a stalled await, which the per-chunk
+        # deadline check alone cannot do.
+        async with asyncio.timeout(limits.fetch_timeout_s):
+            async with httpx.AsyncClient(**_http_client_kwargs(limits)) as client:
+                async with client.stream("GET", url) as response:
+                    _check_http_response(response, limits)
+                    async for chunk in response.aiter_bytes():
+                        _append_chunk(body, chunk, limits, deadline)
+    except MediaError:
+        raise
+    except Exception as exc:
+        raise _http_error(exc, limits) from exc
+    return bytes(body)
+
+
+# --------------------------------------------------------------------------
+# Decoding and normalisation
+# --------------------------------------------------------------------------
+
+
+def _image_formats() -> tuple[str, ...]:
+    global _allowed_formats
+    if _allowed_formats is None:
+        Image.init()
+        # Image.open raises KeyError for names it has no plugin for (AVIF
+        # depends on how Pillow was built), so keep only registered ones.
+        _allowed_formats = tuple(f for f in _PREFERRED_FORMATS if f in Image.OPEN)
+    return _allowed_formats
+
+
+def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:
+    width, height = size
+    if width <= 0 or height <= 0:
+        raise MediaError(f"invalid image size {width}x{height}")
+    # Pillow's own guard is process-global: it *warns* above MAX_IMAGE_PIXELS
+    # and raises only above twice that. Taking the minimum makes every image
+    # Pillow would warn about a MediaError too, without touching the global
+    # warnings filters (warnings.catch_warnings is not thread-safe, and
+    # decoding runs in worker threads).
+    limit = limits.max_image_pixels
+    if Image.MAX_IMAGE_PIXELS is not None:
+        limit = min(limit, int(Image.MAX_IMAGE_PIXELS))
+    pixels = width * height
+    if pixels > limit:
+        raise MediaError(
+            f"image too large: {width}x{height} = {pixels} pixels exceeds the limit of {limit}"
+        )
+
+
+def decode_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Decode encoded image bytes into a validated RGB image (first frame)."""
+    if not data:
+        raise MediaError("could not decode image: no data")
+    if len(data) > limits.max_image_bytes:
+        raise _too_large(limits)
+    try:
+        # Image.open only parses the header, so the pixel cap is enforced
+        # before any pixel data is decompressed. It opens at frame 0, which is
+        # the frame we keep for animated GIF/WebP.
+        with Image.open(io.BytesIO(data), formats=_image_formats()) as image:
+            return _normalize(image, limits)
+    except MediaError:
+        raise
+    except UnidentifiedImageError:
+        raise MediaError(
+            "could not decode image: unrecognized or unsupported format "
+            f"(supported: {', '.join(_image_formats())})"
+        ) from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        # Raised by Image.open before our own check can run (the warning only
+        # when the process runs with warnings as errors).
+        raise MediaError(f"image too large: {exc}") from None
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, struct.error, ...
+        raise MediaError(f"could not decode image: {_describe(exc)}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    return (str(exc) or type(exc).__name__)[:_MAX_DETAIL_CHARS]
+
+
+def _normalize(image: Image.Image, limits: MediaLimits) -> Image.Image:
+    """Validate and convert to the engine's canonical form; returns a new image.
+
+    PIL images passed by the caller go through here too, so every source gets
+    the same pixel cap, EXIF orientation and RGB conversion (and hashes the
+    same). The result is always a new image, so a caller mutating its own
+    object later cannot change pixels that were already hashed.
+    """
+    _check_pixels(image.size, limits)
+    image.load()  # full decode; truncated/corrupt data fails here
+    if _exif_orientation(image) not in (None, 1):
+        # Phones store pixels sensor-side up and record the rotation in EXIF;
+        # the model must see the picture the way the user does.
+        image = ImageOps.exif_transpose(image)
+    return _to_rgb(image)
+
+
+def _exif_orientation(image: Image.Image) -> int | None:
+    try:
+        return image.getexif().get(0x0112)  # Orientation tag
+    except Exception:
+        # Broken EXIF is common in the wild and must not reject an otherwise
+        # fine image; we just can't rotate it.
+        return None
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    """Convert any Pillow mode to RGB; always returns a new image."""
+    if image.mode in _HIGH_BIT_DEPTH_MODES:
+        return _high_bit_depth_to_l(image).convert("RGB")
+    if image.mode == "F":
+        return image.convert("L").convert("RGB")
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
+        return _composite_on_white(image)
+    # convert() handles 1, L, P, CMYK, YCbCr, ... and copies when already RGB.
+    return image.convert("RGB")
+
+
+def _composite_on_white(image: Image.Image) -> Image.Image:
+    # Alpha is composited on white rather than dropped: plain convert("RGB")
+    # exposes whatever colour the fully transparent pixels happen to hold
+    # (often black), so a black logo on a transparent background would turn
+    # into black-on-black. White matches how viewers and browsers usually
+    # show such images, which is what the user saw when sending it.
+    rgba = image.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, _WHITE_RGBA)
+    background.alpha_composite(rgba)
+    return background.convert("RGB")
+
+
+def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
+    # Pillow's convert() clips 16-bit values to 255 (most of the picture
+    # turns white); scale the 0..65535 range down instead. Mode "I" is what
+    # 16-bit PNG/TIFF data usually ends up as, so it gets the same range.
+    values = np.asarray(image).astype(np.int64)
+    values = np.clip(values, 0, 65535)
+    scaled = ((values + 128) // 257).astype(np.uint8)
+    return Image.fromarray(scaled, mode="L")
+
+
+# --------------------------------------------------------------------------
+# Public entry points
+# --------------------------------------------------------------------------
+
+
+def _load_offline(source: _Source, limits: MediaLimits) -> Image.Image:
+    """Everything that needs no network: blocking file I/O and CPU work."""
+    if isinstance(source, Image.Image):
+        try:
+            return _normalize(source, limits)
+        except MediaError:
+            raise
+        except Exception as exc:  # e.g. a lazily opened image that is corrupt
+            raise MediaError(f"could not decode image: {_describe(exc)}") from None
+    if isinstance(source, _DataUri):
+        data = _decode_data_uri(source, limits)
+    elif isinstance(source, _LocalPath):
+        data = _read_local_file(source, limits)
+    else:  # pragma: no cover - _HttpUrl is handled by the callers
+        raise TypeError(f"unexpected source {source!r}")
+    return decode_image(data, limits)
+
+
+def load_image(
+    source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS
+) -> Image.Image:
+    """Load, validate and decode an image into a new RGB ``PIL.Image``.
+
+    Raises ``MediaError`` (and nothing else) for any problem with the source.
+    """
+    parsed = _parse_source(source)
+    if isinstance(parsed, _HttpUrl):
+        return decode_image(_fetch_http(parsed.url, limits), limits)
+    return _load_offline(parsed, limits)
+
+
+async def load_image_async(
+    source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS
+) -> Image.Image:
+    """Async ``load_image``: network I/O on the event loop, decoding in a thread."""
+    parsed = _parse_source(source)
+    if isinstance(parsed, _HttpUrl):
+        data = await _fetch_http_async(parsed.url, limits)
+        return await asyncio.to_thread(decode_image, data, limits)
+    return await asyncio.to_thread(_load_offline, parsed, limits)

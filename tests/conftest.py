@@ -1,0 +1,73 @@
+"""Shared fixtures: locally built checkpoints, Hugging Face references, generated images."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir() -> Path:
+    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+
+    return cached_qwen2_vl("tiny")
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_vlm(tiny_vlm_dir: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(tiny_vlm_dir), dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(str(tiny_vlm_dir))
+
+
+def make_image(width: int, height: int, seed: int) -> Image.Image:
+    """A deterministic picture with structure (gradients + blocks), not flat noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) % 256], -1)
+    blocks = rng.integers(0, 255, size=(height // 8 + 1, width // 8 + 1, 3))
+    pixels = (base + blocks[y // 8, x // 8]) // 2
+    return Image.fromarray(pixels.astype(np.uint8), "RGB")
+
+
+def to_hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
+    """OpenAI-style messages with PIL image parts -> Transformers chat format and the image list."""
+    out, images = [], []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            out.append({"role": m["role"], "content": content})
+            continue
+        parts = []
+        for p in content:
+            if p["type"] == "text":
+                parts.append({"type": "text", "text": p["text"]})
+            else:
+                images.append(p["image"])
+                parts.append({"type": "image"})
+        out.append({"role": m["role"], "content": parts})
+    return out, images
+
+
+def hf_greedy(hf: tuple[Any, Any], messages: list[dict[str, Any]], max_new_tokens: int) -> list[int]:
+    import torch
+
+    model, processor = hf
+    hf_messages, images = to_hf_messages(messages)
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -1,0 +1,34 @@
+"""Engine configuration: one frozen record shared by scheduler, cache and runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    device: str = "auto"  # "auto" | "cpu" | "cuda"
+    max_num_seqs: int = 64  # most requests in one running batch
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    kv_cache_tokens: int | None = None  # None: size the pool from free memory
+    page_size: int = 16  # tokens per KV page; also the prefix-cache granularity
+    enable_prefix_cache: bool = True
+    enable_chunked_prefill: bool = True
+    max_model_len: int | None = None  # None: the model's limit, capped by the KV pool
+    attention_backend: str = "auto"  # see vlm_engine.runner.attention.registry
+    encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs kept by content hash
+    cpu_kv_cache_fraction: float = 0.25  # of MemAvailable, when kv_cache_tokens is None on CPU
+    cpu_kv_cache_max_bytes: int = 4 * 1024**3
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError("kv_cache_tokens must hold at least one page")

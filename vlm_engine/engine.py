@@ -1,0 +1,310 @@
+"""The in-process engine: scheduler + model runner + prompt processing, no sockets.
+
+Tests, the batch CLI and notebooks use it directly; the server runs the same core in its own
+process. `step()` is the heartbeat: plan a batch, run it, apply the results.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from preprocess.prompt import PromptProcessor
+from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.config import EngineConfig
+from vlm_engine.detokenizer import IncrementalDetokenizer
+from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
+from vlm_engine.runner.attention.backends import create_backend
+from vlm_engine.runner.model_runner import KVLayout, ModelRunner
+from vlm_engine.runner.sampler import SampledToken
+from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, Any]]
+PromptInput = str | list[int] | ProcessedPrompt
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    prompt_tokens: int
+    cached_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
+    new_text: str = ""  # text made safe to show by the last step (stop strings held back)
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+
+@dataclass
+class StepStats:
+    """Where one step's time went; host overhead is a first-class number."""
+
+    num_tokens: int = 0
+    num_seqs: int = 0
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    update_s: float = 0.0
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_tokens: int | None = None,
+        enable_prefix_cache: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_tokens=kv_cache_tokens,
+            enable_prefix_cache=enable_prefix_cache,
+            **kwargs,
+        )
+        cfg = self.config
+        self.source = resolve_model(model)
+        self.hf_config = load_config(self.source)
+        self.device = default_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device, self.source.gguf_file is not None)
+        self.model = build_model(self.source, self.hf_config, self.dtype, self.device)
+        self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
+        self.tokenizer = self.processor.tokenizer
+
+        layout = KVLayout.of(self.model)
+        num_pages = self._num_pages(layout)
+        text_config = getattr(self.hf_config, "text_config", None) or self.hf_config
+        model_len = cfg.max_model_len or int(text_config.max_position_embeddings)
+        self.max_model_len = min(model_len, num_pages * cfg.page_size)
+        self.pool = PagePool(num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                watermark_pages=max(0, num_pages // 100),
+            ),
+            self.pool,
+        )
+        backend = create_backend(cfg.attention_backend, self.device)
+        self.runner = ModelRunner(
+            self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes
+        )
+        self.eos_token_ids = self._eos_token_ids()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._ids = itertools.count()
+        self.last_step = StepStats()
+        logger.info(
+            "engine ready: %s, %s, attention %s, %d KV pages x %d tokens, max_model_len %d",
+            self.source.name, self.dtype, backend.name, num_pages, cfg.page_size, self.max_model_len,
+        )
+
+    # ---- set-up helpers ----------------------------------------------------------------------
+
+    def _num_pages(self, layout: KVLayout) -> int:
+        cfg = self.config
+        if cfg.kv_cache_tokens is not None:
+            return -(-cfg.kv_cache_tokens // cfg.page_size)
+        per_page = layout.bytes_per_token(self.dtype) * cfg.page_size
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            budget = min(int(_mem_available() * cfg.cpu_kv_cache_fraction), cfg.cpu_kv_cache_max_bytes)
+        if budget < per_page:
+            raise RuntimeError("not enough free memory for even one KV page")
+        return budget // per_page
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for source in (self.hf_config, getattr(self.hf_config, "text_config", None), _generation_config(self.source)):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return frozenset(ids)
+
+    # ---- request API ---------------------------------------------------------------------------
+
+    def process_messages(self, messages: Conversation) -> ProcessedPrompt:
+        return self.processor.from_messages(messages)
+
+    def process_prompt(self, prompt: PromptInput) -> ProcessedPrompt:
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            return self.processor.from_text(prompt)
+        return self.processor.from_token_ids(list(prompt))
+
+    def add_request(
+        self,
+        prompt: PromptInput,
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (PromptError, RequestRejected) for input that can never run."""
+        processed = self.process_prompt(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(
+            request_id=request_id,
+            prompt=processed,
+            sampling=sampling or SamplingParams(),
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
+        if request.sampling.logprobs is not None:
+            self._logprobs[request_id] = []
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        if request is None:
+            return None
+        return self._output(request, [])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that produced tokens."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        t1 = time.perf_counter()
+        sampled = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        finished = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        outputs = []
+        finished_ids = {r.request_id for r in finished}
+        for chunk in plan.chunks:
+            request = chunk.request
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            outputs.append(self._on_token(request, token, request.request_id in finished_ids))
+        t3 = time.perf_counter()
+        self.last_step = StepStats(plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2)
+        return outputs
+
+    def _on_token(self, request: Request, token: SampledToken, finished: bool) -> RequestOutput:
+        rid = request.request_id
+        detok = self._detokenizers[rid]
+        if rid in self._logprobs:
+            self._logprobs[rid].append(TokenLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or []))
+        hit_stop = detok.add([token.token_id]) if request.stop_token_id != token.token_id else False
+        if hit_stop and not finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        return self._output(request, [token.token_id])
+
+    def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
+        rid = request.request_id
+        finished = request.status.finished
+        detok = self._detokenizers[rid]
+        new_text = detok.take_delta(finished)
+        stop_reason: str | int | None = detok.stopped_on if detok.stopped_on is not None else request.stop_token_id
+        out = RequestOutput(
+            request_id=rid,
+            token_ids=request.output_token_ids,
+            text=detok.text,
+            finished=finished,
+            finish_reason=request.finish_reason,
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=request.num_cached_tokens,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            logprobs=self._logprobs.get(rid),
+            stop_reason=stop_reason,
+        )
+        if finished:
+            self._detokenizers.pop(rid, None)
+            self._logprobs.pop(rid, None)
+        return out
+
+    # ---- batch conveniences -----------------------------------------------------------------
+
+    def chat(
+        self,
+        conversations: Sequence[Conversation],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompts = [self.process_messages(list(c)) for c in conversations]
+        return self.generate(prompts, sampling)
+
+    def generate(
+        self,
+        prompts: Sequence[PromptInput],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling, len(prompts))
+        processed = [self.process_prompt(p) for p in prompts]  # validate everything before queueing anything
+        ids = [self.add_request(p, sp) for p, sp in zip(processed, params)]
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+
+def _per_prompt(sampling: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sampling is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling, SamplingParams):
+        return [sampling] * n
+    params = list(sampling)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _mem_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3
+
+
+def _generation_config(source: Any) -> Any:
+    path = source.directory / "generation_config.json"
+    if source.gguf_file or not path.exists():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(source.directory))

@@ -1,0 +1,38 @@
+"""What preprocessing hands the engine: token ids plus media, ready for the scheduler and runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vlm_engine.cache.page_hash import MediaSpan
+
+
+@dataclass
+class MediaInput:
+    """One image or video already turned into encoder input.
+
+    `span` says where its placeholder tokens sit in the prompt; `pixel_values` and `grid_thw`
+    are what the vision tower consumes. The scheduler only ever looks at `span`.
+    """
+
+    kind: str  # "image" | "video"
+    span: MediaSpan
+    pixel_values: Any  # torch.Tensor [num_patches, patch_dim]; typed loosely to keep torch out of the scheduler
+    grid_thw: tuple[int, int, int]
+
+
+@dataclass
+class ProcessedPrompt:
+    token_ids: list[int]
+    media: list[MediaInput] = field(default_factory=list)
+    # M-RoPE models: [3, len(token_ids)] positions and the offset that continues them in decode.
+    mrope_positions: np.ndarray | None = None
+    mrope_delta: int = 0
+    text: str | None = None  # the rendered prompt, for logs and tests
+
+    @property
+    def media_spans(self) -> list[MediaSpan]:
+        return [m.span for m in self.media]

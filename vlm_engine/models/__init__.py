@@ -1,0 +1,1 @@
+"""One file per architecture family; `registry` maps a checkpoint's config to its class."""

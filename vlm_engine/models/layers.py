@@ -1,0 +1,172 @@
+"""Decoder building blocks shared by the model families: norms, rotary embeddings, fused linears.
+
+Numerics follow Hugging Face Transformers operation for operation (fp32 norm statistics, the
+same rotate-half RoPE) because greedy outputs must match it token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+
+@dataclass
+class ForwardContext:
+    """Everything a decoder needs for one step besides the hidden states."""
+
+    attn_meta: AttentionMetadata
+    kv_caches: list[KVCache]
+    attn_backend: AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections that read the same input (q/k/v, gate/up).
+
+    `shards` maps a checkpoint projection name to its row range so the loader can copy each
+    checkpoint tensor into its slice.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias)
+        self.shards: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, size in shard_sizes.items():
+            self.shards[name] = (start, size)
+            start += size
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with a precomputed cos/sin table indexed by position.
+
+    With `mrope_section` set (Qwen2-VL), positions are [3, T] (temporal, height, width) and the
+    frequency bands are split between the three axes.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+        mrope_section: list[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.mrope_section = mrope_section
+        self.max_positions = max_positions
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = attention_scaling
+        self.build_tables(torch.device("cpu"))
+
+    def build_tables(self, device: torch.device) -> None:
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the angles.
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, D/2]
+        self.cos_half = freqs.cos() * self.attention_scaling
+        self.sin_half = freqs.sin() * self.attention_scaling
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, D] for positions [T] or [3, T]."""
+        if positions.dim() == 1:
+            cos, sin = self.cos_half[positions], self.sin_half[positions]
+        else:
+            cos = self._merge_axes(self.cos_half[positions])
+            sin = self._merge_axes(self.sin_half[positions])
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((sin, sin), -1).to(dtype)
+
+    def _merge_axes(self, per_axis: torch.Tensor) -> torch.Tensor:
+        # per_axis: [3, T, D/2]; band i takes its frequencies from axis i % 3.
+        assert self.mrope_section is not None
+        bands = per_axis.split(self.mrope_section, dim=-1)
+        return torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos/sin: [T, D]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_meta, self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attention: Attention, mlp: GatedMLP, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,106 @@
+"""Llama-architecture decoders (Llama, SmolLM2, Qwen2's text stack) reading paged KV."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_engine.models.layers import Attention, DecoderLayer, ForwardContext, GatedMLP, RMSNorm, RotaryEmbedding
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and output scaling, delegating scaled variants to Transformers' formulas."""
+    params = rope_parameters(config)
+    rope_type = params["rope_type"]
+    dim = head_dim_of(config)
+    if rope_type in ("default", "mrope", "axial"):
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+        return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq, float(scaling)
+
+
+class DecoderModel(nn.Module):
+    """Token embeddings, the decoder stack and the final norm."""
+
+    def __init__(self, config: Any, qkv_bias: bool, mrope_section: list[int] | None = None) -> None:
+        super().__init__()
+        dim = head_dim_of(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                Attention(
+                    i,
+                    config.hidden_size,
+                    config.num_attention_heads,
+                    config.num_key_value_heads,
+                    dim,
+                    qkv_bias,
+                ),
+                GatedMLP(config.hidden_size, config.intermediate_size),
+                config.hidden_size,
+                config.rms_norm_eps,
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        with torch.device("cpu"):  # real tables even when the weights are built on meta
+            inv_freq, scaling = rope_inv_freq(config)
+            self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, inv_freq, scaling, mrope_section)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    uses_mrope = False
+    # checkpoint name prefixes -> ours (Transformers' own names for the text stack)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, config: Any, qkv_bias: bool | None = None) -> None:
+        super().__init__()
+        self.config = config
+        if qkv_bias is None:
+            qkv_bias = bool(getattr(config, "attention_bias", False))
+        self.model = DecoderModel(config, qkv_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(hidden, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def __init__(self, config: Any) -> None:
+        super().__init__(config, qkv_bias=True)

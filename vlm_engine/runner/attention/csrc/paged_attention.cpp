@@ -1,0 +1,817 @@
+// Fused paged attention for CPU (decode + chunked prefill, causal, GQA).
+//
+// out[t, h, :] = softmax(q[t, h, :] . K_b^T * scale) V_b  over the KV positions
+// 0 ..= pos(t) of t's sequence b, where K_b / V_b are read through the block
+// table directly from the paged cache (no gather copy).  See
+// vlm_engine/runner/attention/reference.py for the exact contract.
+//
+// Work decomposition: one work item = (sequence, block of query tokens, range
+// of KV heads[, KV range]).  By default an item covers all KV heads, so every
+// KV position's [Hkv, D] rows are streamed contiguously from memory (pages are
+// software-prefetched one tile ahead, since they are scattered).  Within an
+// item the G query heads sharing a KV head are processed together so each
+// key/value row is loaded once (into L1) for all of them.  Items are scheduled
+// dynamically (atomic counter, longest first) on the ATen intra-op thread pool.
+// With too few items for the threads, items are split per KV head, and then
+// long single-block (decode) items over the KV axis; the partial results
+// (running max, running sum, unnormalised accumulator) are merged afterwards.
+//
+// Softmax: standard online softmax in the log2 domain (scores are multiplied
+// by scale*log2(e) and exponentiated with exp2), float32 throughout.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define PA_AVX512 1
+#else
+#define PA_AVX512 0
+#endif
+
+#if PA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define PA_AVX512BF16 1
+#else
+#define PA_AVX512BF16 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int kTile = 32;        // KV positions per tile
+constexpr int kRowsCap = 64;     // target (query token x group head) rows per item
+constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split item
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2 };
+
+struct Params {
+  const char* q;
+  char* out;
+  const char* k;
+  const char* v;
+  int64_t q_st, q_sh;  // strides (elements): token, head
+  int64_t o_st, o_sh;
+  int64_t k_sp, k_ss, k_sh;  // page, slot, head
+  int64_t v_sp, v_ss, v_sh;
+  const int32_t* bt;
+  int64_t bt_stride;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  int64_t Hkv, G, D, page_size;
+  float c;      // scale * log2(e)
+  float* part;  // KV-split partials: [nparts][rows_max * (D + 2)]
+  int64_t rows_max;
+  int64_t qb_max;  // max query tokens per item
+};
+
+// One unit of work: query tokens [q0, q1) of sequence b, KV heads [h0, h0 + nh),
+// KV positions [kv0, kv1) (further limited per query by causality).
+// Rows are ordered (token, head-in-range, group member): r = ti * nh * G + hk * G + g.
+struct Item {
+  int32_t b, h0, nh, q0, q1, kv0, kv1, part;  // part < 0: write normalised output directly
+  int64_t cost;
+};
+
+struct MergeGroup {
+  int32_t b, h0, nh, q0, q1, part0, nparts;
+};
+
+struct Scratch {
+  float* acc;    // rows_max * D
+  float* m;      // rows_max
+  float* l;      // rows_max
+  float* s;      // rows_max * kTile
+  float* kf;     // kTile * D (bf16 keys converted to fp32)
+  float* vf;     // kTile * D (bf16 values converted to fp32)
+  int32_t* lim;  // per query token: exclusive end of its visible KV range
+  std::vector<float> buf;
+  std::vector<int32_t> ibuf;
+
+  Scratch(int64_t rows_max, int64_t qb_max, int64_t D) {
+    const int64_t n = rows_max * D + 2 * rows_max + rows_max * kTile + 2 * kTile * D + 32;
+    buf.resize(n);
+    ibuf.resize(qb_max);
+    float* p = buf.data();
+    p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+    acc = p;
+    p += rows_max * D;
+    s = p;
+    p += rows_max * kTile;
+    kf = p;
+    p += kTile * D;
+    vf = p;
+    p += kTile * D;
+    m = p;
+    p += rows_max;
+    l = p;
+    lim = ibuf.data();
+  }
+};
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return static_cast<float>(x); }
+inline void store_f32(float x, float* dst) { *dst = x; }
+inline void store_f32(float x, bf16* dst) { *dst = bf16(x); }
+
+template <typename T>
+inline const T* q_row(const Params& P, int64_t t, int64_t h) {
+  return reinterpret_cast<const T*>(P.q) + t * P.q_st + h * P.q_sh;
+}
+
+// Fill per-token visibility limits and reset the running state; returns the row count.
+inline int64_t setup_rows(const Params& P, const Item& it, Scratch& S) {
+  const int64_t qs = P.qsl[it.b];
+  const int64_t ql = P.qsl[it.b + 1] - qs;
+  const int64_t sl = P.seq_lens[it.b];
+  const int64_t rows = int64_t(it.q1 - it.q0) * it.nh * P.G;
+  for (int64_t t = it.q0; t < it.q1; ++t) {
+    const int64_t pos = sl - ql + (t - qs);  // absolute position of query token t
+    S.lim[t - it.q0] = static_cast<int32_t>(std::min<int64_t>(pos + 1, it.kv1));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    S.m[r] = kNegInf;
+    S.l[r] = 0.f;
+  }
+  std::memset(S.acc, 0, sizeof(float) * rows * P.D);
+  return rows;
+}
+
+template <typename T>
+inline void finish_item(const Params& P, const Item& it, Scratch& S, int64_t rows) {
+  const int64_t D = P.D;
+  const int64_t rpt = int64_t(it.nh) * P.G;  // rows per query token
+  if (it.part < 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = it.q0 + r / rpt;
+      const int64_t h = int64_t(it.h0) * P.G + r % rpt;
+      T* o = reinterpret_cast<T*>(P.out) + t * P.o_st + h * P.o_sh;
+      const float inv = 1.f / S.l[r];
+      const float* a = S.acc + r * D;
+      for (int64_t d = 0; d < D; ++d) store_f32(a[d] * inv, o + d);
+    }
+  } else {
+    float* base = P.part + int64_t(it.part) * P.rows_max * (D + 2);
+    std::memcpy(base, S.acc, sizeof(float) * rows * D);
+    float* pm = base + P.rows_max * D;
+    float* pl = pm + P.rows_max;
+    std::memcpy(pm, S.m, sizeof(float) * rows);
+    std::memcpy(pl, S.l, sizeof(float) * rows);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Per-item driver shared by all implementations.  Walks the item's KV range in
+// tiles of kTile positions through the block table; Core::tile() processes one
+// tile for all rows.  kp/vp hold per-position base pointers (KV head 0).
+// ---------------------------------------------------------------------------
+template <typename T, typename Core>
+void run_item(const Params& P, const Item& it, Scratch& S) {
+  const int64_t rows = setup_rows(P, it, S);
+  const int64_t ntok = it.q1 - it.q0;
+  const int32_t max_lim = S.lim[ntok - 1];
+  const T* kbase = reinterpret_cast<const T*>(P.k);
+  const T* vbase = reinterpret_cast<const T*>(P.v);
+  const int32_t* bt = P.bt + int64_t(it.b) * P.bt_stride;
+  const int64_t ps = P.page_size;
+  // Bytes to prefetch per position: the item's heads [h0, h0+nh) (one range if heads are dense).
+  const int64_t row_bytes = P.D * int64_t(sizeof(T));
+  const bool k_dense = P.k_sh == P.D, v_dense = P.v_sh == P.D;
+  const int64_t k_off = int64_t(it.h0) * P.k_sh, v_off = int64_t(it.h0) * P.v_sh;
+  // Double-buffered pointer tables: while tile i is computed, tile i+1's K/V rows are
+  // software-prefetched (pages are scattered, so hardware prefetchers can't follow).
+  const T* kp[2][kTile];
+  const T* vp[2][kTile];
+  int64_t pidx = it.kv0 / ps;
+  int64_t slot = it.kv0 % ps;
+  auto fill = [&](int buf, int32_t j0) -> int {
+    const int jn = static_cast<int>(std::min<int32_t>(kTile, max_lim - j0));
+    for (int j = 0; j < jn; ++j) {
+      const int64_t page = bt[pidx];
+      kp[buf][j] = kbase + page * P.k_sp + slot * P.k_ss;
+      vp[buf][j] = vbase + page * P.v_sp + slot * P.v_ss;
+      if (++slot == ps) {
+        slot = 0;
+        ++pidx;
+      }
+    }
+    for (int j = jn; j < kTile; ++j) {  // pad with a valid pointer (masked later)
+      kp[buf][j] = kp[buf][0];
+      vp[buf][j] = vp[buf][0];
+    }
+    return jn;
+  };
+  auto prefetch_range = [](const void* p, int64_t bytes) {
+    const char* c = static_cast<const char*>(p);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+  };
+  auto prefetch = [&](int buf, int jn) {
+    for (int j = 0; j < jn; ++j) {
+      if (k_dense) {
+        prefetch_range(kp[buf][j] + k_off, row_bytes * it.nh);
+      } else {
+        for (int hk = 0; hk < it.nh; ++hk) prefetch_range(kp[buf][j] + k_off + hk * P.k_sh, row_bytes);
+      }
+      if (v_dense) {
+        prefetch_range(vp[buf][j] + v_off, row_bytes * it.nh);
+      } else {
+        for (int hk = 0; hk < it.nh; ++hk) prefetch_range(vp[buf][j] + v_off + hk * P.v_sh, row_bytes);
+      }
+    }
+  };
+  if (it.kv0 < max_lim) {
+    int cur = 0;
+    int jn = fill(cur, it.kv0);
+    for (int32_t j0 = it.kv0; j0 < max_lim; j0 += kTile) {
+      const int32_t nj0 = j0 + kTile;
+      int njn = 0;
+      if (nj0 < max_lim) {
+        njn = fill(cur ^ 1, nj0);
+#ifndef PA_NO_PREFETCH
+        prefetch(cur ^ 1, njn);
+#endif
+      }
+      Core::tile(P, it, S, ntok, j0, jn, kp[cur], vp[cur]);
+      cur ^= 1;
+      jn = njn;
+    }
+  }
+  finish_item<T>(P, it, S, rows);
+}
+
+// ---------------------------------------------------------------------------
+// Portable implementation (any D, any ISA); gcc auto-vectorises the d-loops.
+// ---------------------------------------------------------------------------
+template <typename T>
+struct GenericCore {
+  static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
+                   const T* const* kp, const T* const* vp) {
+    const int64_t D = P.D;
+    const int64_t G = P.G;
+    const int64_t rpt = int64_t(it.nh) * G;
+    for (int64_t hk = 0; hk < it.nh; ++hk) {
+      const int64_t kvh = it.h0 + hk;
+      const int64_t koff = kvh * P.k_sh, voff = kvh * P.v_sh;
+      for (int64_t ti = 0; ti < ntok; ++ti) {
+        const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
+        if (n <= 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = ti * rpt + hk * G + g;
+          const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
+          float* sr = S.s + r * kTile;
+          float tmax = kNegInf;
+          for (int j = 0; j < n; ++j) {
+            const T* kr = kp[j] + koff;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += to_f32(qr[d]) * to_f32(kr[d]);
+            sr[j] = dot * P.c;
+            tmax = std::max(tmax, sr[j]);
+          }
+          const float mold = S.m[r];
+          const float mnew = std::max(mold, tmax);
+          const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
+          float sum = 0.f;
+          for (int j = 0; j < n; ++j) {
+            sr[j] = std::exp2(sr[j] - mnew);
+            sum += sr[j];
+          }
+          S.m[r] = mnew;
+          S.l[r] = S.l[r] * alpha + sum;
+          float* ar = S.acc + r * D;
+          if (alpha != 1.f)
+            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+          for (int j = 0; j < n; ++j) {
+            const T* vr = vp[j] + voff;
+            const float p = sr[j];
+            for (int64_t d = 0; d < D; ++d) ar[d] += p * to_f32(vr[d]);
+          }
+        }
+      }
+    }
+  }
+};
+
+#if PA_AVX512
+// ---------------------------------------------------------------------------
+// AVX-512 implementation, templated on NV = D / 16.
+// ---------------------------------------------------------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+}
+
+// 2^x for x <= 0 (x may be -inf).  Max rel. error ~1e-7 (degree-7 Taylor on [-0.5, 0.5]).
+inline __m512 exp2_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-03f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Horizontal sums of 16 vectors: result lane i = sum of the lanes of a[i].
+inline __m512 reduce16(const __m512* a) {
+  __m512 w[8];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                         _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  __m512 u[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(w[2 * i]);
+    const __m512d y = _mm512_castps_pd(w[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // u[i], 128-bit lane k: partial sums (over lane k of the inputs) of a[4i .. 4i+3].
+  const __m512 t01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 t23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 dot products q . k[i], i < 16 (fp32, or bf16 q converted on the fly).
+template <int NV, typename QT>
+inline __m512 dot16(const QT* q, const float* const* k) {
+  __m512 qv[NV];
+  for (int v = 0; v < NV; ++v) qv[v] = load16(q + 16 * v);
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k[i]));
+    for (int v = 1; v < NV; ++v) a[i] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(k[i] + 16 * v), a[i]);
+  }
+  return reduce16(a);
+}
+
+#if PA_AVX512BF16
+// 16 dot products with bf16 q/k using vdpbf16ps (exact products, fp32 accumulation).
+template <int NV>
+inline __m512 dot16_bf16(const bf16* q, const bf16* const* k) {
+  constexpr int NW = NV / 2;  // 32 bf16 per 512-bit vector
+  __m512bh qv[NW];
+  for (int v = 0; v < NW; ++v) qv[v] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(q + 32 * v));
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) {
+    a[i] = _mm512_setzero_ps();
+    for (int v = 0; v < NW; ++v)
+      a[i] = _mm512_dpbf16_ps(a[i], qv[v],
+                              (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(k[i] + 32 * v)));
+  }
+  return reduce16(a);
+}
+#endif
+
+// kDp: bf16 keys are consumed directly by vdpbf16ps (else converted to fp32 per tile).
+template <typename T, int NV, bool kDp>
+struct Avx512Core {
+  static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
+                   const T* const* kp, const T* const* vp) {
+    constexpr int D = NV * 16;
+    const int64_t G = P.G;
+    const int64_t rpt = int64_t(it.nh) * G;
+    const __m512 vc = _mm512_set1_ps(P.c);
+    const __m512 vneg = _mm512_set1_ps(kNegInf);
+    const float* kpf[kTile];
+    const float* vpf[kTile];
+    const bf16* kpb[kTile];
+    (void)kpb;
+    for (int64_t hk = 0; hk < it.nh; ++hk) {
+      const int64_t kvh = it.h0 + hk;
+      const int64_t koff = kvh * P.k_sh, voff = kvh * P.v_sh;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int j = 0; j < kTile; ++j) {
+          kpf[j] = kp[j] + koff;
+          vpf[j] = vp[j] + voff;
+        }
+      } else {
+        // Convert this head's tile once for all rows sharing it.
+        for (int j = 0; j < jn; ++j) {
+          float* vd = S.vf + j * D;
+          for (int v = 0; v < NV; ++v) _mm512_store_ps(vd + 16 * v, load16(vp[j] + voff + 16 * v));
+          vpf[j] = vd;
+        }
+        for (int j = jn; j < kTile; ++j) vpf[j] = S.vf;
+        if constexpr (kDp) {
+          for (int j = 0; j < kTile; ++j) kpb[j] = kp[j] + koff;
+        } else {
+          for (int j = 0; j < jn; ++j) {
+            float* kd = S.kf + j * D;
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(kd + 16 * v, load16(kp[j] + koff + 16 * v));
+            kpf[j] = kd;
+          }
+          for (int j = jn; j < kTile; ++j) kpf[j] = S.kf;
+        }
+      }
+
+      for (int64_t ti = 0; ti < ntok; ++ti) {
+        const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
+        if (n <= 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = ti * rpt + hk * G + g;
+          const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
+          float* sr = S.s + r * kTile;
+          __m512 vmax = vneg;
+          for (int g0 = 0; g0 < n; g0 += 16) {
+            __m512 sc;
+            if constexpr (kDp) {
+#if PA_AVX512BF16
+              sc = dot16_bf16<NV>(reinterpret_cast<const bf16*>(qr), kpb + g0);
+#endif
+            } else {
+              sc = dot16<NV>(qr, kpf + g0);
+            }
+            sc = _mm512_mul_ps(sc, vc);
+            const int left = n - g0;
+            const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+            sc = _mm512_mask_blend_ps(mk, vneg, sc);
+            _mm512_store_ps(sr + g0, sc);
+            vmax = _mm512_max_ps(vmax, sc);
+          }
+          const float mold = S.m[r];
+          const float mnew = std::max(mold, _mm512_reduce_max_ps(vmax));
+          const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
+          const __m512 vm = _mm512_set1_ps(mnew);
+          __m512 vsum = _mm512_setzero_ps();
+          for (int g0 = 0; g0 < n; g0 += 16) {
+            const int left = n - g0;
+            const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+            __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sr + g0), vm));
+            p = _mm512_maskz_mov_ps(mk, p);
+            _mm512_store_ps(sr + g0, p);
+            vsum = _mm512_add_ps(vsum, p);
+          }
+          S.m[r] = mnew;
+          S.l[r] = S.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+
+          float* ar = S.acc + r * D;
+          __m512 a0[NV];
+          for (int v = 0; v < NV; ++v) a0[v] = _mm512_load_ps(ar + 16 * v);
+          if (alpha != 1.f) {
+            const __m512 va = _mm512_set1_ps(alpha);
+            for (int v = 0; v < NV; ++v) a0[v] = _mm512_mul_ps(a0[v], va);
+          }
+          if constexpr (NV <= 8) {
+            // Two accumulator sets to hide FMA latency for small D.
+            __m512 a1[NV];
+            for (int v = 0; v < NV; ++v) a1[v] = _mm512_setzero_ps();
+            int j = 0;
+            for (; j + 1 < n; j += 2) {
+              const __m512 p0 = _mm512_set1_ps(sr[j]);
+              const __m512 p1 = _mm512_set1_ps(sr[j + 1]);
+              const float* v0 = vpf[j];
+              const float* v1 = vpf[j + 1];
+              for (int v = 0; v < NV; ++v) {
+                a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
+                a1[v] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * v), a1[v]);
+              }
+            }
+            if (j < n) {
+              const __m512 p0 = _mm512_set1_ps(sr[j]);
+              const float* v0 = vpf[j];
+              for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
+            }
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(ar + 16 * v, _mm512_add_ps(a0[v], a1[v]));
+          } else {
+            for (int j = 0; j < n; ++j) {
+              const __m512 p0 = _mm512_set1_ps(sr[j]);
+              const float* v0 = vpf[j];
+              for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
+            }
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(ar + 16 * v, a0[v]);
+          }
+        }
+      }
+    }
+  }
+};
+#endif  // PA_AVX512
+
+using ItemFn = void (*)(const Params&, const Item&, Scratch&);
+
+template <typename T>
+ItemFn select_kernel(int64_t D, int64_t impl) {
+#if PA_AVX512
+  if (impl != kGeneric) {
+    const bool dp = PA_AVX512BF16 && std::is_same_v<T, bf16> && impl != kAvx512NoDpbf16 && D % 32 == 0;
+    (void)dp;
+#define PA_CASE(NV)                                                            \
+  case NV * 16:                                                                \
+    if constexpr (PA_AVX512BF16 && std::is_same_v<T, bf16> && (NV % 2 == 0)) { \
+      if (dp) return &run_item<T, Avx512Core<T, NV, true>>;                    \
+    }                                                                          \
+    return &run_item<T, Avx512Core<T, NV, false>>;
+    switch (D) {
+      PA_CASE(1)
+      PA_CASE(2)
+      PA_CASE(3)
+      PA_CASE(4)
+      PA_CASE(5)
+      PA_CASE(6)
+      PA_CASE(7)
+      PA_CASE(8)
+      PA_CASE(10)
+      PA_CASE(12)
+      PA_CASE(16)
+      default:
+        break;
+    }
+#undef PA_CASE
+  }
+#endif
+  (void)D;
+  (void)impl;
+  return &run_item<T, GenericCore<T>>;
+}
+
+template <typename T>
+void merge_group(const Params& P, const MergeGroup& mg) {
+  const int64_t D = P.D;
+  const int64_t rpt = int64_t(mg.nh) * P.G;
+  const int64_t rows = int64_t(mg.q1 - mg.q0) * rpt;
+  const int64_t stride = P.rows_max * (D + 2);
+  float acc[1024];  // D <= 1024 (checked)
+  for (int64_t r = 0; r < rows; ++r) {
+    float M = kNegInf;
+    for (int p = 0; p < mg.nparts; ++p) {
+      const float* base = P.part + int64_t(mg.part0 + p) * stride;
+      M = std::max(M, base[P.rows_max * D + r]);
+    }
+    float wl = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
+    for (int p = 0; p < mg.nparts; ++p) {
+      const float* base = P.part + int64_t(mg.part0 + p) * stride;
+      const float mp = base[P.rows_max * D + r];
+      if (mp == kNegInf) continue;  // this part saw no visible KV for the row
+      const float w = std::exp2(mp - M);
+      wl += w * base[P.rows_max * D + P.rows_max + r];
+      const float* a = base + r * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * a[d];
+    }
+    const int64_t t = mg.q0 + r / rpt;
+    const int64_t h = int64_t(mg.h0) * P.G + r % rpt;
+    T* o = reinterpret_cast<T*>(P.out) + t * P.o_st + h * P.o_sh;
+    const float inv = 1.f / wl;
+    for (int64_t d = 0; d < D; ++d) store_f32(acc[d] * inv, o + d);
+  }
+}
+
+template <typename T>
+void run_all(Params& P, int64_t B, int64_t impl) {
+  const int64_t G = P.G;
+  const int32_t Hkv = static_cast<int32_t>(P.Hkv);
+  // Query tokens per item: keep (tokens x all query heads) rows around kRowsCap.
+  const int64_t QB = std::max<int64_t>(1, kRowsCap / (Hkv * G));
+  P.qb_max = QB;
+  P.rows_max = QB * Hkv * G;
+
+  // 1) One item per (sequence, query block), covering all KV heads: each KV position's
+  //    [Hkv, D] rows are then read as one contiguous stream.
+  std::vector<Item> items;
+  items.reserve(B + 8);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t qs = P.qsl[b], qe = P.qsl[b + 1];
+    const int32_t ql = qe - qs;
+    if (ql <= 0) continue;
+    const int32_t sl = P.seq_lens[b];
+    for (int32_t q0 = qs; q0 < qe; q0 += static_cast<int32_t>(QB)) {
+      const int32_t q1 = static_cast<int32_t>(std::min<int64_t>(q0 + QB, qe));
+      const int32_t kv1 = sl - ql + (q1 - qs);  // visible end for the block's last query
+      const int64_t cost = int64_t(q1 - q0) * Hkv * G * kv1 + 64;
+      items.push_back(Item{static_cast<int32_t>(b), 0, Hkv, q0, q1, 0, kv1, -1, cost});
+      total += cost;
+    }
+  }
+  if (items.empty()) return;
+
+  const int64_t nt = at::get_num_threads();
+  const bool parallel = nt > 1 && total > 16384 && !at::in_parallel_region();
+  const int64_t want = 4 * nt;  // items wanted for dynamic load balance
+
+  // 2) Too few items for the threads: split by KV head (free), then long single-block
+  //    items over the KV axis (partials merged afterwards).
+  std::vector<MergeGroup> groups;
+  at::Tensor part_buf;
+  if (parallel && static_cast<int64_t>(items.size()) < want && Hkv > 1) {
+    std::vector<Item> split;
+    split.reserve(items.size() * Hkv);
+    for (const Item& it : items) {
+      for (int32_t h = 0; h < Hkv; ++h) {
+        Item s = it;
+        s.h0 = h;
+        s.nh = 1;
+        s.cost = int64_t(it.q1 - it.q0) * G * it.kv1 + 64;
+        split.push_back(s);
+      }
+    }
+    items.swap(split);
+  }
+  if (parallel && static_cast<int64_t>(items.size()) < want) {
+    const int64_t target = std::max<int64_t>(total / want, 1);
+    std::vector<Item> split;
+    split.reserve(items.size() * want);
+    int32_t nparts = 0;
+    for (const Item& it : items) {
+      const bool single_block = it.q0 == P.qsl[it.b] && it.q1 == P.qsl[it.b + 1];
+      const int64_t ns =
+          single_block ? std::min<int64_t>((it.cost + target - 1) / target, it.kv1 / kMinSplit) : 1;
+      if (ns <= 1) {
+        split.push_back(it);
+        continue;
+      }
+      const int64_t per = ((it.kv1 + ns - 1) / ns + kTile - 1) / kTile * kTile;  // tile-aligned
+      const int32_t part0 = nparts;
+      int32_t cnt = 0;
+      for (int64_t a = 0; a < it.kv1; a += per) {
+        Item s = it;
+        s.kv0 = static_cast<int32_t>(a);
+        s.kv1 = static_cast<int32_t>(std::min<int64_t>(a + per, it.kv1));
+        s.part = nparts++;
+        s.cost = int64_t(it.q1 - it.q0) * it.nh * G * (s.kv1 - s.kv0) + 64;
+        split.push_back(s);
+        ++cnt;
+      }
+      groups.push_back(MergeGroup{it.b, it.h0, it.nh, it.q0, it.q1, part0, cnt});
+    }
+    if (!groups.empty()) {
+      items.swap(split);
+      part_buf = at::empty({int64_t(nparts) * P.rows_max * (P.D + 2)}, at::kFloat);
+      P.part = part_buf.data_ptr<float>();
+    }
+  }
+
+  // Longest first for the dynamic scheduler (stable: keeps sequence order among equals).
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+  const ItemFn fn = select_kernel<T>(P.D, impl);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    Scratch S(P.rows_max, P.qb_max, P.D);
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n_items) break;
+      fn(P, items[i], S);
+    }
+  };
+  if (parallel && n_items > 1) {
+    at::parallel_for(0, std::min<int64_t>(nt, n_items), 1, worker);
+  } else {
+    worker(0, 1);
+  }
+
+  if (!groups.empty()) {
+    const int64_t ng = static_cast<int64_t>(groups.size());
+    auto merge = [&](int64_t a, int64_t e) {
+      for (int64_t i = a; i < e; ++i) merge_group<T>(P, groups[i]);
+    };
+    if (ng > 1)
+      at::parallel_for(0, ng, 1, merge);
+    else
+      merge(0, ng);
+  }
+}
+
+}  // namespace
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, c10::optional<at::Tensor> out,
+                           int64_t impl) {
+  TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache/v_cache must be [num_pages, page_size, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_attention (CPU op) needs CPU tensors");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "q must be float32 or bfloat16, got ", dt);
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt, "q/k_cache/v_cache dtypes differ");
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_pages = k_cache.size(0), page_size = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim mismatch between q and k_cache");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
+  TORCH_CHECK(D > 0 && D <= 1024, "head_dim must be in [1, 1024]");
+  TORCH_CHECK(page_size > 0, "page_size must be > 0");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "head_dim must be the contiguous (stride 1) dimension");
+
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block_table, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(block_table.device().is_cpu() && seq_lens.device().is_cpu() && query_start_loc.device().is_cpu(),
+              "metadata tensors must be on CPU");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1, "block_table must be [B, max_pages] with stride(1)==1");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous(), "seq_lens must be a contiguous 1-D tensor");
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.is_contiguous(),
+              "query_start_loc must be a contiguous 1-D tensor");
+  const int64_t B = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == B + 1, "query_start_loc must have B+1 entries");
+  TORCH_CHECK(block_table.size(0) >= B, "block_table has fewer rows than seq_lens");
+  const int64_t max_pages = block_table.size(1);
+
+  const int32_t* bt = block_table.data_ptr<int32_t>();
+  const int32_t* sl = seq_lens.data_ptr<int32_t>();
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int64_t bt_stride = block_table.stride(0);
+  TORCH_CHECK(qsl[0] >= 0 && qsl[B] <= T, "query_start_loc out of range [0, T]");
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t ql = int64_t(qsl[b + 1]) - qsl[b];
+    TORCH_CHECK(ql >= 0, "query_start_loc must be non-decreasing");
+    if (ql == 0) continue;
+    TORCH_CHECK(sl[b] >= ql, "seq_lens[", b, "]=", sl[b], " < number of queries ", ql);
+    const int64_t np = (int64_t(sl[b]) + page_size - 1) / page_size;
+    TORCH_CHECK(np <= max_pages, "seq_lens[", b, "] needs ", np, " pages but block_table has ", max_pages);
+    const int32_t* row = bt + b * bt_stride;
+    for (int64_t i = 0; i < np; ++i)
+      TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "block_table[", b, ", ", i, "]=", row[i], " out of range");
+  }
+
+  at::Tensor o;
+  if (out.has_value() && out->defined()) {
+    o = *out;
+    TORCH_CHECK(o.sizes() == q.sizes() && o.scalar_type() == dt && o.device().is_cpu() && o.stride(2) == 1,
+                "out must be a CPU tensor shaped/typed like q with stride(2)==1");
+  } else if (qsl[0] == 0 && qsl[B] == T) {
+    o = at::empty_like(q, at::MemoryFormat::Contiguous);
+  } else {
+    o = at::zeros_like(q, at::MemoryFormat::Contiguous);
+  }
+  if (T == 0 || B == 0) return o;
+
+  Params P{};
+  P.q = static_cast<const char*>(q.data_ptr());
+  P.out = static_cast<char*>(o.data_ptr());
+  P.k = static_cast<const char*>(k_cache.data_ptr());
+  P.v = static_cast<const char*>(v_cache.data_ptr());
+  P.q_st = q.stride(0);
+  P.q_sh = q.stride(1);
+  P.o_st = o.stride(0);
+  P.o_sh = o.stride(1);
+  P.k_sp = k_cache.stride(0);
+  P.k_ss = k_cache.stride(1);
+  P.k_sh = k_cache.stride(2);
+  P.v_sp = v_cache.stride(0);
+  P.v_ss = v_cache.stride(1);
+  P.v_sh = v_cache.stride(2);
+  P.bt = bt;
+  P.bt_stride = bt_stride;
+  P.seq_lens = sl;
+  P.qsl = qsl;
+  P.Hkv = Hkv;
+  P.G = Hq / Hkv;
+  P.D = D;
+  P.page_size = page_size;
+  P.c = static_cast<float>(scale) * kLog2e;
+  P.part = nullptr;
+  P.rows_max = 0;
+  P.qb_max = 0;
+
+  if (dt == at::kFloat)
+    run_all<float>(P, B, impl);
+  else
+    run_all<bf16>(P, B, impl);
+  return o;
+}
+
+std::string build_info() {
+  std::string s = "avx512=";
+  s += PA_AVX512 ? "1" : "0";
+  s += " avx512bf16=";
+  s += PA_AVX512BF16 ? "1" : "0";
+#ifdef _OPENMP
+  s += " openmp=1";
+#else
+  s += " openmp=0";
+#endif
+  return s;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vlm_engine fused paged attention (CPU)";
+  m.def("paged_attention", &paged_attention, "Paged causal attention (see reference.py for the contract)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0);
+  m.def("build_info", &build_info, "Compile-time ISA features of this build");
+}

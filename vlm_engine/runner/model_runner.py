@@ -1,0 +1,200 @@
+"""Executes one scheduled step: builds flat inputs, runs the vision tower for media that the
+step needs, the decoder over paged KV, and samples the rows that produce tokens.
+
+Host-side input building uses plain lists and numpy and crosses into torch once per array:
+per-element tensor work on the host is the classic way to starve the accelerator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vlm_engine.cache.encoder_cache import EncoderCache
+from vlm_engine.models.layers import ForwardContext
+from vlm_engine.models.llama import head_dim_of
+from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from vlm_engine.runner.sampler import SampledToken, sample
+from vlm_engine.scheduler.request import Request
+from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> KVLayout:
+        config = getattr(model, "text_config", None) or model.config  # type: ignore[union-attr]
+        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_meta: AttentionMetadata
+    sample_rows: list[int]  # flat row of each sampling chunk's last token
+    sample_chunks: list[ScheduledChunk]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        num_pages: int,
+        page_size: int,
+        attn_backend: AttentionBackend,
+        encoder_cache_bytes: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.page_size = page_size
+        self.attn_backend = attn_backend
+        self.layout = KVLayout.of(model)
+        shape = (num_pages, page_size, self.layout.num_kv_heads, self.layout.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.layout.num_layers)
+        ]
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
+        self.default_generator = torch.Generator(device="cpu")
+        self.default_generator.seed()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        inputs = self.prepare_inputs(out.chunks)
+        hidden = self.model.embed(inputs.input_ids)
+        if any(c.request.prompt.media for c in out.chunks):
+            self._merge_media(hidden, out.chunks)
+        ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend)
+        hidden = self.model(hidden, inputs.positions, ctx)
+        if not inputs.sample_rows:
+            return {}
+        rows = torch.tensor(inputs.sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        requests = [c.request for c in inputs.sample_chunks]
+        tokens = sample(logits.cpu(), [r.sampling for r in requests], [self._generator(r) for r in requests])
+        return {r.request_id: t for r, t in zip(requests, tokens)}
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        ps = self.page_size
+        input_ids: list[int] = []
+        slots: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        query_lens, seq_lens, sample_rows, sample_chunks = [], [], [], []
+        max_pages = max(len(c.request.page_ids) for c in chunks)
+        block_table = np.zeros((len(chunks), max_pages), dtype=np.int32)
+        for i, chunk in enumerate(chunks):
+            request = chunk.request
+            start, end = chunk.start, chunk.end
+            input_ids.extend(request.token_ids[start:end])
+            pages = np.asarray(request.page_ids, dtype=np.int64)
+            block_table[i, : len(pages)] = pages
+            pos = np.arange(start, end, dtype=np.int64)
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            positions.append(self._positions(request, pos))
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            if chunk.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sample_chunks.append(chunk)
+        qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        pos_all = np.concatenate(positions, axis=-1)
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(pos_all).to(dev),
+            attn_meta=meta,
+            sample_rows=sample_rows,
+            sample_chunks=sample_chunks,
+        )
+
+    def _positions(self, request: Request, pos: np.ndarray) -> np.ndarray:
+        if not self.uses_mrope:
+            return pos
+        prompt = request.prompt
+        n_prompt = request.num_prompt_tokens
+        if prompt.mrope_positions is None:
+            return np.broadcast_to(pos, (3, len(pos)))
+        if pos[-1] < n_prompt:
+            return prompt.mrope_positions[:, pos[0] : pos[-1] + 1]
+        # Generated tokens continue on one line, shifted by the prompt's delta.
+        result = np.broadcast_to(pos + prompt.mrope_delta, (3, len(pos))).copy()
+        in_prompt = pos < n_prompt
+        if in_prompt.any():
+            result[:, in_prompt] = prompt.mrope_positions[:, pos[in_prompt]]
+        return result
+
+    def _generator(self, request: Request) -> torch.Generator:
+        if request.sampling.seed is None:
+            return self.default_generator
+        gen = request.runner_state.get("generator")
+        if gen is None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(request.sampling.seed)
+            request.runner_state["generator"] = gen
+        return gen
+
+    # ---- media -----------------------------------------------------------------------------
+
+    def _merge_media(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
+        """Overwrite placeholder rows with vision-encoder outputs, encoding only what is missing."""
+        overlaps: list[tuple[int, Request, int, int, int]] = []  # (row base, request, item, lo, hi)
+        missing: list[tuple[Request, int, Any]] = []
+        row_base = 0
+        for chunk in chunks:
+            request = chunk.request
+            store = request.runner_state.setdefault("media_embeddings", {})
+            for index, item in enumerate(request.prompt.media):
+                lo, hi = max(chunk.start, item.span.offset), min(chunk.end, item.span.end)
+                if lo >= hi:
+                    continue
+                overlaps.append((row_base - chunk.start, request, index, lo, hi))
+                if index not in store:
+                    cached = self.encoder_cache.get(item.span.content_hash)
+                    if cached is not None:
+                        store[index] = cached
+                    elif not any(r is request and j == index for r, j, _ in missing):
+                        missing.append((request, index, item))
+            row_base += chunk.num_tokens
+        if missing:
+            outputs = self.model.encode_media([m.pixel_values for _, _, m in missing], [m.grid_thw for _, _, m in missing])
+            for (request, index, item), emb in zip(missing, outputs):
+                emb = emb.to(self.dtype)
+                request.runner_state["media_embeddings"][index] = emb
+                self.encoder_cache.put(item.span.content_hash, emb)
+        for shift, request, index, lo, hi in overlaps:
+            item = request.prompt.media[index]
+            emb = request.runner_state["media_embeddings"][index]
+            hidden[shift + lo : shift + hi] = emb[lo - item.span.offset : hi - item.span.offset]
+        # Drop per-request references to media this step finished consuming.
+        for chunk in chunks:
+            store = chunk.request.runner_state.get("media_embeddings")
+            if store:
+                for index in [j for j in store if chunk.request.prompt.media[j].span.end <= chunk.end]:
+                    del store[index]

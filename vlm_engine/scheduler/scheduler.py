@@ -1,0 +1,265 @@
+"""Continuous batching with chunked prefill, a prefix cache and recompute preemption.
+
+One `schedule()` call plans one forward step under a token budget:
+1. running requests first, in arrival order: a decode costs one token, an unfinished prefill
+   takes what is left of the budget; when the pool cannot grow a request, the most recently
+   arrived running request is preempted (pages freed, recomputed later) — never a deadlock,
+   because `max_model_len` is capped so any one request fits the pool alone;
+2. then waiting requests, oldest first, while budget, seats (`max_num_seqs`) and pages last,
+   each starting from its longest prefix-cache hit.
+`update()` then advances progress, publishes newly full pages to the prefix cache, appends
+sampled tokens and retires finished requests, returning their pages at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from vlm_engine.cache.page_hash import page_hashes
+from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.scheduler.request import Request, RequestStatus
+
+
+class RequestRejected(ValueError):
+    """The request can never run (e.g. its prompt does not fit the context); nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    # Pages kept free when admitting new work so running requests can grow a little without
+    # immediately preempting the newcomer.
+    watermark_pages: int = 0
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first token computed this step
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the last known token, so the step yields a new token."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    schedule_time_s: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+        self.config = config
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---- admission / removal -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise RequestRejected(f"duplicate request id {request.request_id!r}")
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens >= limit:
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens, but this model's context is {limit} "
+                f"tokens and at least one must be left to generate"
+            )
+        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+            raise RequestRejected(
+                f"the prompt has {request.num_prompt_tokens} tokens, more than max_num_batched_tokens "
+                f"({self.config.max_num_batched_tokens}) with chunked prefill off"
+            )
+        request.max_model_len = min(request.max_model_len, limit)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return None
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Retire a request and return its pages to the pool right away."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = status
+        request.finished_time = time.monotonic()
+        self._release_pages(request)
+        request.runner_state.clear()
+        del self.requests[request.request_id]
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.extend_len, budget)
+            while not self._grow(request, request.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                scheduled.add(id(request))
+                budget -= n
+                i += 1
+                continue
+            # `request` itself was preempted: the list shrank, do not advance i.
+
+        # After a preemption the pool is tight: admitting newcomers would only thrash.
+        if not out.preempted:
+            budget = self._admit_waiting(out, budget)
+
+        out.schedule_time_s = time.perf_counter() - t0
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_computed_tokens == 0 and not request.page_ids:
+                self._match_prefix(request)
+            n = min(request.extend_len, budget)
+            if n < request.extend_len and not self.config.enable_chunked_prefill:
+                break
+            needed = self._pages_for(request.num_computed_tokens + n) - len(request.page_ids)
+            if needed > self.pool.num_free - self.config.watermark_pages and self.running:
+                self._release_pages(request)  # give the prefix hit back; retry on a later step
+                break
+            if not self._grow(request, request.num_computed_tokens + n):
+                self._release_pages(request)
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _match_prefix(self, request: Request) -> None:
+        # Keep at least one token to compute: its logits give the next token.
+        max_pages = (request.num_tokens - 1) // self.page_size
+        if max_pages == 0 or not self.pool.enable_prefix_cache:
+            return
+        keys = self._page_keys(request, max_pages)
+        pages = self.pool.match_prefix(keys[:max_pages])
+        request.page_ids = pages
+        request.num_computed_tokens = len(pages) * self.page_size
+        request.num_registered_pages = len(pages)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+
+    def _page_keys(self, request: Request, num_pages: int) -> list[int]:
+        """Extend the request's hash chain to at least `num_pages` full pages (cheap to call again)."""
+        keys = request.page_keys
+        if len(keys) < num_pages:
+            parent = keys[-1] if keys else None
+            limit = min(num_pages, request.num_tokens // self.page_size) * self.page_size
+            keys.extend(
+                page_hashes(request.token_ids[:limit], self.page_size, request.media_spans, len(keys), parent)
+            )
+        return keys
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        needed = self._pages_for(num_tokens) - len(request.page_ids)
+        if needed <= 0:
+            return True
+        pages = self.pool.allocate(needed)
+        if pages is None:
+            return False
+        request.page_ids.extend(pages)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release_pages(request)
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        request.runner_state.pop("media_embeddings", None)
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release_pages(self, request: Request) -> None:
+        self.pool.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.num_registered_pages = 0
+
+    # ---- after the forward pass -------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply one step's results; `sampled` maps request id -> new token for sampling chunks."""
+        finished = []
+        now = time.monotonic()
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens = chunk.end
+            self._register_full_pages(request)
+            if not chunk.samples:
+                continue
+            token = sampled[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = request.append_token(token)
+            if status is not None:
+                self.finish(request, status)
+                finished.append(request)
+        return finished
+
+    def _register_full_pages(self, request: Request) -> None:
+        if not self.pool.enable_prefix_cache:
+            return
+        full = request.num_computed_tokens // self.page_size
+        if full <= request.num_registered_pages:
+            return
+        keys = self._page_keys(request, full)
+        for index in range(request.num_registered_pages, full):
+            self.pool.register(request.page_ids[index], keys[index])
+        request.num_registered_pages = full

@@ -1,0 +1,1 @@
+"""Test/benchmark helpers: deterministic offline checkpoints (see `checkpoints`)."""
