@@ -35,7 +35,13 @@ from typing import Callable
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_paged_attention", "paged_attention", "extension_build_dir", "load_extension_module"]
+__all__ = [
+    "build_extension",
+    "extension_build_dir",
+    "load_extension_module",
+    "load_paged_attention",
+    "paged_attention",
+]
 
 EXT_NAME = "vlm_engine_paged_attention"
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
@@ -91,39 +97,46 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
-@functools.cache
-def load_extension_module():
-    """Build (or load the cached) extension module; ``None`` (after one warning) if impossible."""
-    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
-        logger.info("fused CPU paged attention disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
-        return None
+def build_extension(name: str = EXT_NAME, source: Path = _SRC, build_dir: Path | None = None):
+    """Build/load the extension (uncached); returns the module, or ``None`` after logging a warning."""
     errors = []
     try:
         from torch.utils.cpp_extension import load
 
         _ensure_ninja_on_path()
-        build_dir = extension_build_dir()
+        build_dir = Path(build_dir) if build_dir is not None else extension_build_dir()
         build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # noqa: BLE001
         logger.warning("fused CPU paged attention unavailable (%s); using the torch reference", e)
         return None
+    verbose = os.environ.get("VLM_ENGINE_VERBOSE_BUILD", "") not in ("", "0")
     for flags in _FLAG_SETS:
         try:
             return load(
-                name=EXT_NAME,
-                sources=[str(_SRC)],
+                name=name,
+                sources=[str(source)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
-                verbose=os.environ.get("VLM_ENGINE_VERBOSE_BUILD", "") not in ("", "0"),
+                verbose=verbose,
             )
         except Exception as e:  # noqa: BLE001
-            errors.append(f"{' '.join(flags)}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+            msg = str(e).strip()
+            errors.append(f"[{' '.join(flags)}] {msg.splitlines()[-1] if msg else repr(e)}")
     logger.warning(
         "could not build the fused CPU paged-attention op; using the torch reference. Errors: %s",
         " | ".join(errors),
     )
     return None
+
+
+@functools.cache
+def load_extension_module():
+    """The extension module (built once per process, cached on disk); ``None`` if unavailable."""
+    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
+        logger.info("fused CPU paged attention disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
+        return None
+    return build_extension()
 
 
 @functools.cache

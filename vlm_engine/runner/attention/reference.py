@@ -129,14 +129,15 @@ def paged_attention_torch(
     slots = torch.where(kv_valid, slots, torch.zeros_like(slots))
     k_flat = k_cache.reshape(num_pages * page_size, Hkv, D)
     v_flat = v_cache.reshape(num_pages * page_size, Hkv, D)
-    k = k_flat[slots].to(compute_dtype).permute(0, 2, 1, 3)  # [B, Hkv, max_kv, D]
-    v = v_flat[slots].to(compute_dtype).permute(0, 2, 1, 3)
+    flat_idx = slots.reshape(-1)
+    k = k_flat.index_select(0, flat_idx).view(B, max_kv, Hkv, D).to(compute_dtype).permute(0, 2, 1, 3)
+    v = v_flat.index_select(0, flat_idx).view(B, max_kv, Hkv, D).to(compute_dtype).permute(0, 2, 1, 3)
 
     # Query gather: [B, max_q] token ids (padded rows point at token 0 and are discarded).
     qi = torch.arange(max_q, device=dev)
     q_valid = qi.unsqueeze(0) < q_lens.unsqueeze(1)  # [B, max_q]
     tok = torch.where(q_valid, qsl[:-1].unsqueeze(1) + qi.unsqueeze(0), torch.zeros_like(q_valid, dtype=torch.long))
-    qb = q[tok].to(compute_dtype)  # [B, max_q, Hq, D]
+    qb = q.index_select(0, tok.reshape(-1)).view(B, max_q, Hq, D).to(compute_dtype)
     qb = qb.view(B, max_q, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, max_q * G, D)
 
     # Mask [B, 1, max_q*G, max_kv]: query j of seq b sits at kv_len - q_len + j.

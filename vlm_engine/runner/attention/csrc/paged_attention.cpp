@@ -18,10 +18,11 @@
 //
 // Softmax: standard online softmax in the log2 domain (scores are multiplied
 // by scale*log2(e) and exponentiated with exp2), float32 throughout.
-#include <torch/extension.h>
-
+// Only the headers we need (torch/extension.h doubles the compile time).
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <atomic>
@@ -698,7 +699,7 @@ void run_all(Params& P, int64_t B, int64_t impl) {
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
-                           const at::Tensor& query_start_loc, double scale, c10::optional<at::Tensor> out,
+                           const at::Tensor& query_start_loc, double scale, std::optional<at::Tensor> out,
                            int64_t impl) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache/v_cache must be [num_pages, page_size, Hkv, D]");

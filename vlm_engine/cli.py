@@ -1,0 +1,126 @@
+"""The `vlm-engine` command line. Each subcommand registers itself in `COMMANDS`.
+
+    vlm-engine serve [--model M] [--host H] [--port P] [--api-key K] [--preprocess-workers N] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _mm_limit(text: str) -> int:
+    """`8`, `image=8` or the vLLM JSON form `{"image": 8}`."""
+    text = text.strip()
+    if text.startswith("{"):
+        import json
+
+        return int(json.loads(text).get("image", 0))
+    if "=" in text:
+        for item in text.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() == "image":
+                return int(value)
+        return 0
+    return int(text)
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from vlm_engine.server.config import DEFAULT_MODEL, ServerConfig
+
+    d = ServerConfig()
+    p = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
+    p.add_argument("--model", default=None, help=f"local directory, .gguf file, hub id, or the embedded {DEFAULT_MODEL!r}")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--api-key", default=os.environ.get("VLM_ENGINE_API_KEY"), help="require 'Authorization: Bearer KEY' (env VLM_ENGINE_API_KEY)")
+    p.add_argument("--preprocess-workers", type=_positive_int, default=d.preprocess_workers)
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default=d.device)
+    g.add_argument("--max-model-len", type=_positive_int, default=None)
+    g.add_argument("--kv-cache-tokens", type=_positive_int, default=None, help="KV pool size (default: from free memory)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
+    g.add_argument("--no-prefix-cache", action="store_true")
+    g.add_argument("--attention-backend", default=d.attention_backend)
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
+    a = p.add_argument_group("admission and media")
+    a.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests, help="beyond this many waiting requests, answer 503")
+    a.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=d.limit_mm_per_prompt, help="images per prompt: 8, image=8 or '{\"image\": 8}'")
+    a.add_argument("--allowed-local-media-path", default=None, help="serve local image files from under this directory")
+    a.add_argument("--max-image-bytes", type=_positive_int, default=d.max_image_bytes)
+    a.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s)
+    a.add_argument("--max-redirects", type=int, default=d.max_redirects)
+    a.add_argument("--max-n", type=_positive_int, default=d.max_n, help="most choices per request")
+    o = p.add_argument_group("process")
+    o.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM")
+    o.add_argument("--side-process-nice", type=int, default=d.side_process_nice)
+    o.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from vlm_engine.server.config import DEFAULT_MODEL, ServerConfig
+    from vlm_engine.server.launcher import serve
+
+    config = ServerConfig(
+        model=args.model or args.model_pos or DEFAULT_MODEL,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        preprocess_workers=args.preprocess_workers,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_cache=not args.no_prefix_cache,
+        attention_backend=args.attention_backend,
+        warmup=not args.no_warmup,
+        max_waiting_requests=args.max_waiting_requests,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        allowed_local_media_path=args.allowed_local_media_path,
+        max_image_bytes=args.max_image_bytes,
+        media_fetch_timeout_s=args.media_fetch_timeout,
+        max_redirects=args.max_redirects,
+        max_n=args.max_n,
+        shutdown_timeout_s=args.shutdown_timeout,
+        side_process_nice=args.side_process_nice,
+        log_level=args.log_level,
+    )
+    return serve(config)
+
+
+# Subcommands: each adds its parser (and `func`) to the subparsers.
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vlm-engine", description="A small inference engine for vision-language models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Every message the server's processes exchange, and how they travel.
+
+Wiring (ZeroMQ PUSH/PULL over `ipc://` sockets in one per-run directory; each PULL is bound by
+the process that reads it, every writer connects a PUSH):
+
+    api ──PreprocessRequest──> worker[i] ──EngineRequest + frames──> core
+    api ──Abort──────────────────────────────────────────────────────> core
+    core ──CoreReady / EngineOutputs──> detokenizer ──CoreReady / ApiOutputs──> api
+    detokenizer ──Abort(stopped=True)──> core   (a stop string ended the request)
+    worker ──WorkerReady / RequestError / PreprocessDone──> api
+
+A message is one msgpack frame (a tagged `msgspec.Struct`) followed by zero or more raw frames:
+token ids, M-RoPE positions and pixel tensors go as numpy buffers, zero-copy on both ends, never
+pickled. `TensorMeta.frame` says which extra frame holds a tensor.
+
+Ids: the API gives each OpenAI request an id (`chatcmpl-…`, `cmpl-…`); every choice of it is one
+engine request `"{id}-{index}"`. All messages below carry engine request ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from vlm_engine.sampling_params import SamplingParams
+
+class Message(msgspec.Struct, tag=True, tag_field="msg"):
+    """Base of every top-level message: the class name travels as the `msg` tag."""
+
+
+# ---- tensors as frames ---------------------------------------------------------------------------
+
+
+class TensorMeta(msgspec.Struct, array_like=True, frozen=True):
+    frame: int  # index into the message's extra frames
+    dtype: str  # numpy dtype name
+    shape: tuple[int, ...]
+
+
+def tensor_frame(array: Any, frames: list[Any]) -> TensorMeta:
+    """Append a numpy array (or CPU torch tensor) to `frames` without copying; returns its meta."""
+    if hasattr(array, "detach"):  # torch.Tensor: share its memory through numpy
+        array = array.detach().contiguous().numpy()
+    array = np.ascontiguousarray(array)
+    frames.append(array.data if array.size else b"")
+    return TensorMeta(len(frames) - 1, array.dtype.str, tuple(array.shape))
+
+
+def frame_array(meta: TensorMeta, frames: list[Any]) -> np.ndarray:
+    """The numpy view of a received frame (zero-copy over the zmq buffer, writable)."""
+    frame = frames[meta.frame]
+    buffer = frame.buffer if hasattr(frame, "buffer") else frame
+    return np.frombuffer(buffer, dtype=np.dtype(meta.dtype)).reshape(meta.shape)
+
+
+# ---- api -> preprocess worker --------------------------------------------------------------------
+
+
+class PreprocessRequest(Message):
+    """One prompt to turn into engine requests; `n` choices share its preprocessing."""
+
+    request_id: str  # the OpenAI request id; choices become f"{request_id}-{index}"
+    first_index: int  # index of the first choice this prompt produces
+    n: int
+    sampling: SamplingParams
+    messages: Any = None  # chat: the raw OpenAI message list (validated by the worker)
+    prompt: str | list[int] | None = None  # completions: text or token ids
+    worker: int = 0  # which worker got it (echoed in PreprocessDone for load balancing)
+
+
+# ---- worker -> core --------------------------------------------------------------------------------
+
+
+class MediaMeta(msgspec.Struct, array_like=True):
+    kind: str  # "image" | "video"
+    offset: int
+    length: int
+    content_hash: int
+    grid_thw: tuple[int, int, int]
+    pixels: TensorMeta
+
+
+class EngineRequest(Message):
+    """A preprocessed prompt; frames hold token ids (int32), M-RoPE positions and pixels."""
+
+    request_id: str
+    sampling: SamplingParams
+    token_ids: TensorMeta
+    media: list[MediaMeta] = []
+    mrope_positions: TensorMeta | None = None
+    mrope_delta: int = 0
+
+
+# ---- api / detokenizer -> core ---------------------------------------------------------------------
+
+
+class Abort(Message):
+    """Finish requests early: `stopped` (a stop string hit) reports "stop", otherwise "abort".
+
+    Ids the core has not seen yet (still in a preprocess worker) are remembered and dropped on arrival.
+    """
+
+    request_ids: list[str]
+    stopped: bool = False
+
+
+# ---- core -> detokenizer ---------------------------------------------------------------------------
+
+
+class CoreReady(Message):
+    model: str
+    max_model_len: int
+    num_pages: int
+    page_size: int
+    pid: int
+
+
+class DetokParams(msgspec.Struct, array_like=True):
+    """What the detokenizer needs to know about a request; sent once, before its first tokens."""
+
+    request_id: str
+    stop: tuple[str, ...]
+    logprobs: int | None
+    prompt_tokens: int
+
+
+class SampledLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class TokenOutput(msgspec.Struct, array_like=True):
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None  # the EOS / stop token that ended it (not shown as text)
+    cached_tokens: int = 0
+    logprobs: list[SampledLogprob] | None = None
+
+
+class CoreStats(msgspec.Struct, array_like=True):
+    pages_used: int = 0
+    pages_total: int = 0
+    pages_cached: int = 0
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    prompt_tokens: int = 0  # cumulative tokens run through prefill (after prefix-cache hits)
+    generation_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+    schedule_s: float = 0.0  # cumulative host time in schedule()
+    forward_s: float = 0.0
+    update_s: float = 0.0
+
+
+class RequestError(Message):
+    """A request that cannot run; `status` is the HTTP status the API answers with."""
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class EngineOutputs(Message):
+    """One step's results (or, when idle, just fresh stats after aborts)."""
+
+    added: list[DetokParams] = []
+    outputs: list[TokenOutput] = []
+    errors: list[RequestError] = []
+    stats: CoreStats | None = None
+
+
+# ---- detokenizer / workers -> api ------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobEntry(msgspec.Struct, array_like=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TopLogprob]
+
+
+class Delta(msgspec.Struct, array_like=True):
+    request_id: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # so far, including tokens whose text is still held back
+    logprobs: list[LogprobEntry] | None = None
+
+
+class ApiOutputs(Message):
+    deltas: list[Delta] = []
+    errors: list[RequestError] = []
+    stats: CoreStats | None = None
+
+
+class WorkerReady(Message):
+    worker: int
+    pid: int
+
+
+class PreprocessDone(Message):
+    worker: int
+
+
+CoreInbound = Union[EngineRequest, Abort]
+DetokInbound = Union[CoreReady, EngineOutputs]
+ApiInbound = Union[CoreReady, ApiOutputs, WorkerReady, PreprocessDone, RequestError]
+WorkerInbound = PreprocessRequest
+
+
+# ---- codec -----------------------------------------------------------------------------------------
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: msgspec.Struct, frames: list[Any] | None = None) -> list[Any]:
+    """The multipart message: the msgpack header then the raw frames."""
+    return [_encoder.encode(message), *(frames or ())]
+
+
+class Decoder:
+    """Decodes the header frame of one socket's messages into its union of types."""
+
+    def __init__(self, kind: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(kind)
+
+    def decode(self, parts: list[Any]) -> tuple[Any, list[Any]]:
+        head = parts[0]
+        buffer = head.buffer if hasattr(head, "buffer") else head
+        return self._decoder.decode(buffer), parts[1:]
+
+
+# ---- where the sockets live ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IpcPaths:
+    """The socket addresses of one server run, all inside one private temp directory."""
+
+    root: Path
+
+    def _addr(self, name: str) -> str:
+        return f"ipc://{self.root / name}"
+
+    @property
+    def core(self) -> str:
+        return self._addr("core.sock")
+
+    @property
+    def detokenizer(self) -> str:
+        return self._addr("detok.sock")
+
+    @property
+    def api(self) -> str:
+        return self._addr("api.sock")
+
+    def worker(self, index: int) -> str:
+        return self._addr(f"worker{index}.sock")

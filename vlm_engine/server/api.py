@@ -1,0 +1,364 @@
+"""The HTTP layer: FastAPI routes for the OpenAI API, SSE streaming, auth, health and metrics.
+
+I/O only: requests are validated as JSON, handed to a preprocess worker through `EngineClient`,
+and results (already text) come back on a per-request queue. A handler never tokenizes and never
+sees a tensor. A client that goes away aborts its engine requests at once (streams: Starlette
+cancels the generator on disconnect; non-streaming handlers poll for it while they wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlm_engine import ipc
+from vlm_engine.server import protocol as P
+from vlm_engine.server.config import ServerConfig
+from vlm_engine.server.engine_client import EngineClient, RequestHandle
+from vlm_engine.server.metrics import render_metrics
+
+logger = logging.getLogger(__name__)
+
+_json = msgspec.json.Encoder()
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    client: EngineClient
+    created: int = field(default_factory=P.now)
+    draining: bool = False
+    failure: str | None = None  # set when a child process died
+
+    @property
+    def healthy(self) -> bool:
+        return self.client.ready and not self.draining and self.failure is None
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+def _error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(P.error_body(message, type, param, code), status_code=status)
+
+
+def _from_engine_error(err: ipc.RequestError) -> JSONResponse:
+    return _error_response(err.status, err.message, err.type, err.param, err.code)
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    text_len: int = 0  # characters already sent (completions' logprob text offsets)
+
+    def add(self, delta: ipc.Delta) -> None:
+        if delta.text:
+            self.text.append(delta.text)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+        self.prompt_tokens = delta.prompt_tokens
+        self.cached_tokens = delta.cached_tokens
+        self.completion_tokens = delta.completion_tokens
+
+
+def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
+    # Every prompt is counted once, however many choices it has (as the OpenAI API does).
+    firsts = choices[::n]
+    return P.usage(
+        sum(c.prompt_tokens for c in firsts),
+        sum(c.completion_tokens for c in choices),
+        sum(c.cached_tokens for c in firsts),
+    )
+
+
+class Generation:
+    """Serves one chat / completions request from submission to the last byte."""
+
+    def __init__(self, state: ServerState, request: Request, parsed: P.GenerateRequest, request_id: str) -> None:
+        self.state = state
+        self.http = request
+        self.parsed = parsed
+        self.request_id = request_id
+        self.created = P.now()
+        self.model = parsed.model
+        self.choices = [_Choice() for _ in range(parsed.num_choices)]
+        self.handle: RequestHandle = state.client.submit(request_id, parsed)
+        self.unfinished = set(self.handle.engine_ids)
+
+    def abort(self) -> None:
+        if self.unfinished:
+            self.state.client.abort(list(self.unfinished))
+            self.unfinished.clear()
+
+    async def respond(self) -> Response:
+        try:
+            first = await self._next_or_disconnect()
+            if first is None:
+                self.abort()
+                return Response(status_code=499)
+            if isinstance(first, ipc.RequestError):
+                self.abort()
+                return _from_engine_error(first)
+            if self.parsed.stream:
+                body = self._stream(first) if self.parsed.kind == "chat" else self._stream_completion(first)
+                return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+            return await self._collect(first)
+        except BaseException:
+            self.abort()
+            raise
+
+    async def _next_or_disconnect(self) -> Any | None:
+        """The next result, or None once the client has disconnected."""
+        queue = self.handle.queue
+        if not queue.empty():
+            return queue.get_nowait()
+        getter = asyncio.ensure_future(queue.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=1.0)
+                if done:
+                    return getter.result()
+                if await self.http.is_disconnected():
+                    return None
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    def _apply(self, item: Any) -> ipc.RequestError | None:
+        """Record a result; returns an error that ends the whole request, if it is one."""
+        if isinstance(item, ipc.RequestError):
+            self.unfinished.discard(item.request_id)
+            return item
+        self.choices[self.handle.index_of(item.request_id)].add(item)
+        if item.finished:
+            self.unfinished.discard(item.request_id)
+            if item.finish_reason == "abort":
+                return ipc.RequestError(item.request_id, 503, "the request was aborted", "server_error")
+        return None
+
+    # ---- non-streaming -------------------------------------------------------------------------
+
+    async def _collect(self, first: Any) -> Response:
+        item = first
+        while True:
+            error = self._apply(item)
+            if error is not None:
+                self.abort()
+                return _from_engine_error(error)
+            if not self.unfinished:
+                break
+            item = await self._next_or_disconnect()
+            if item is None:
+                self.abort()
+                return Response(status_code=499)
+        usage = _usage(self.choices, self.parsed.n)
+        if self.parsed.kind == "chat":
+            choices = [
+                P.chat_choice(i, "".join(c.text), c.finish_reason or "stop", P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None)
+                for i, c in enumerate(self.choices)
+            ]
+            body = P.chat_completion(self.request_id, self.created, self.model, choices, usage)
+        else:
+            choices = [
+                P.completion_choice(i, "".join(c.text), c.finish_reason or "stop", P.completion_logprobs(c.logprobs, 0) if self.parsed.logprobs else None)
+                for i, c in enumerate(self.choices)
+            ]
+            body = P.completion(self.request_id, self.created, self.model, choices, usage)
+        return Response(_json.encode(body), media_type="application/json")
+
+    # ---- streaming -----------------------------------------------------------------------------
+
+    async def _batches(self, first: Any) -> AsyncIterator[list[Any]]:
+        """Results in batches: everything already queued is handled in one go (fewer, larger writes)."""
+        queue = self.handle.queue
+        batch = [first]
+        while True:
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            yield batch
+            if not self.unfinished:
+                return
+            batch = [await queue.get()]
+
+    def _merge(self, batch: list[Any]) -> tuple[dict[int, ipc.Delta], ipc.RequestError | None]:
+        """Per choice, one delta for the whole batch."""
+        merged: dict[int, ipc.Delta] = {}
+        for item in batch:
+            error = self._apply(item)
+            if error is not None:
+                return merged, error
+            index = self.handle.index_of(item.request_id)
+            prev = merged.get(index)
+            if prev is None:
+                merged[index] = msgspec.structs.replace(item, logprobs=list(item.logprobs) if item.logprobs else None)
+            else:
+                prev.text += item.text
+                if item.logprobs:
+                    prev.logprobs = (prev.logprobs or []) + item.logprobs
+                prev.finished, prev.finish_reason = item.finished, item.finish_reason
+        return merged, None
+
+    def _usage_now(self) -> dict[str, Any]:
+        return _usage(self.choices, self.parsed.n)
+
+    async def _stream(self, first: Any) -> AsyncIterator[bytes]:
+        p = self.parsed
+        with_usage = p.include_usage or p.continuous_usage
+        try:
+            role = {"role": "assistant", "content": "", "refusal": None}
+            yield b"".join(
+                _sse(P.chat_chunk(self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage))
+                for i in range(p.num_choices)
+            )
+            async for batch in self._batches(first):
+                merged, error = self._merge(batch)
+                out = []
+                for index, d in merged.items():
+                    if not (d.text or d.finished or d.logprobs):
+                        continue  # text held back (partial stop string / UTF-8): nothing to show yet
+                    delta = {"content": d.text} if d.text else {}
+                    logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
+                    choice = P.chat_chunk_choice(index, delta, d.finish_reason if d.finished else None, logprobs)
+                    usage = self._usage_now() if p.continuous_usage else None
+                    out.append(_sse(P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage)))
+                if error is not None:
+                    self.abort()
+                    out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
+                    out.append(_DONE)
+                    yield b"".join(out)
+                    return
+                if out:
+                    yield b"".join(out)
+            if with_usage:
+                yield _sse(P.chat_chunk(self.request_id, self.created, self.model, [], self._usage_now(), True))
+            yield _DONE
+        finally:
+            self.abort()  # no-op when finished; a disconnect cancels us mid-stream
+
+    async def _stream_completion(self, first: Any) -> AsyncIterator[bytes]:
+        p = self.parsed
+        with_usage = p.include_usage or p.continuous_usage
+        try:
+            async for batch in self._batches(first):
+                offsets = [c.text_len for c in self.choices]
+                merged, error = self._merge(batch)
+                out = []
+                for index, d in merged.items():
+                    if not (d.text or d.finished or d.logprobs):
+                        continue
+                    logprobs = P.completion_logprobs(d.logprobs, offsets[index]) if p.logprobs and d.logprobs else None
+                    self.choices[index].text_len = offsets[index] + len(d.text)
+                    choice = P.completion_choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
+                    usage = self._usage_now() if p.continuous_usage else None
+                    out.append(_sse(P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage)))
+                if error is not None:
+                    self.abort()
+                    out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
+                    out.append(_DONE)
+                    yield b"".join(out)
+                    return
+                if out:
+                    yield b"".join(out)
+            if with_usage:
+                yield _sse(P.completion(self.request_id, self.created, self.model, [], self._usage_now(), True))
+            yield _DONE
+        finally:
+            self.abort()
+
+
+def build_app(state: ServerState) -> FastAPI:
+    config = state.config
+    client = state.client
+    app = FastAPI(title="vlm-engine", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(P.ApiError)
+    async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail), code=None)
+
+    def check_auth(request: Request) -> None:
+        if config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise P.ApiError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
+
+    def check_serving() -> None:
+        if state.failure is not None:
+            raise P.ApiError(503, f"the server is failing: {state.failure}", type="server_error")
+        if state.draining:
+            raise P.ApiError(503, "the server is shutting down", type="server_error")
+        if not client.ready:
+            raise P.ApiError(503, "the model is still loading", type="server_error")
+
+    async def read_json(request: Request) -> Any:
+        body = await request.body()
+        try:
+            return msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            raise P.ApiError(400, "the request body is not valid JSON") from None
+
+    async def generate(request: Request, kind: str) -> Response:
+        check_auth(request)
+        body = await read_json(request)
+        check_serving()
+        assert client.core_info is not None
+        if kind == "chat":
+            parsed = P.parse_chat(body, config.model_name, config.max_n, client.core_info.max_model_len, config.limit_mm_per_prompt)
+        else:
+            parsed = P.parse_completion(body, config.model_name, config.max_n)
+        if client.num_waiting + parsed.num_choices > config.max_waiting_requests:
+            raise P.ApiError(503, "too many requests are waiting; try again later", type="server_error", code="server_overloaded")
+        request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        return await Generation(state, request, parsed, request_id).respond()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, "completion")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [P.model_card(config.model_name, state.created)]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.healthy:
+            return JSONResponse({"status": "ok"})
+        status = "failed" if state.failure else "draining" if state.draining else "loading"
+        return JSONResponse({"status": status}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render_metrics(state), media_type="text/plain; version=0.0.4")
+
+    return app

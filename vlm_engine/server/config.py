@@ -1,0 +1,79 @@
+"""Server configuration: one frozen record, built by the CLI and shipped to every child process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # mirrors vlm_engine.models.registry.DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # None: the model argument
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    preprocess_workers: int = 1
+
+    # Engine (passed through to vlm_engine.Engine / EngineConfig).
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_cache: bool = True
+    attention_backend: str = "auto"
+
+    # Admission and input limits.
+    max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
+    limit_mm_per_prompt: int = 8
+    allowed_local_media_path: str | None = None
+    max_image_bytes: int = 20 * 1024 * 1024
+    media_fetch_timeout_s: float = 10.0
+    max_redirects: int = 3
+    max_n: int = 16  # most choices (n x prompts) in one request
+
+    # Process behaviour.
+    shutdown_timeout_s: float = 5.0  # grace for in-flight requests on SIGTERM before they are aborted
+    side_process_nice: int = 19  # API, preprocess and detokenizer yield the cores to the engine core
+    warmup: bool = True
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.preprocess_workers < 1:
+            raise ValueError("preprocess_workers must be >= 1")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if self.limit_mm_per_prompt < 0:
+            raise ValueError("limit_mm_per_prompt must be >= 0")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            dtype=self.dtype,
+            device=self.device,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_tokens=self.kv_cache_tokens,
+            enable_prefix_cache=self.enable_prefix_cache,
+            attention_backend=self.attention_backend,
+        )
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        return kwargs
+
+    def media_limits(self) -> Any:
+        from preprocess.media import MediaLimits
+
+        return MediaLimits(
+            max_image_bytes=self.max_image_bytes,
+            fetch_timeout_s=self.media_fetch_timeout_s,
+            max_redirects=self.max_redirects,
+            allowed_local_media_path=self.allowed_local_media_path,
+        )

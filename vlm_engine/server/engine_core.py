@@ -1,0 +1,256 @@
+"""The engine-core process: owns the `Engine` (scheduler + model runner) and loops its steps.
+
+Between steps it drains its inbox without blocking (new requests, aborts, stop-string finishes);
+it blocks on the inbox only when it has no work, so it never waits on another process while
+there is something to compute. Each step's sampled token ids go out in one message to the
+detokenizer; text, stop strings and logprob strings are the detokenizer's job, so the core uses
+the scheduler and runner directly rather than `Engine.step()` (which also detokenizes).
+
+Every request the core accepted ends with exactly one finished `TokenOutput` (stop, length,
+abort) or one `RequestError`, so the detokenizer can drop its state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import zmq
+
+from vlm_engine import ipc
+from vlm_engine.cache.page_hash import MediaSpan
+from vlm_engine.engine import Engine
+from vlm_engine.inputs import MediaInput, ProcessedPrompt
+from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.scheduler import Request, RequestRejected, RequestStatus
+from vlm_engine.server.config import ServerConfig
+from vlm_engine.server.procs import init_child, parent_alive
+
+logger = logging.getLogger(__name__)
+
+_MAX_TOMBSTONES = 8192  # aborts for requests not yet arrived; bounded in case they never arrive
+_IDLE_POLL_MS = 500  # idle wake-up period, to notice a dead parent
+
+
+def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
+    """Child-process entry point."""
+    init_child("vlm-core", config.log_level, side=False)
+    parent = os.getppid()
+    core = EngineCore(config, paths)
+    try:
+        core.run(lambda: parent_alive(parent))
+    finally:
+        core.close()
+
+
+def build_prompt(msg: ipc.EngineRequest, frames: list[Any]) -> ProcessedPrompt:
+    """Rebuild the worker's `ProcessedPrompt` from the message and its raw frames (no copies)."""
+    token_ids = ipc.frame_array(msg.token_ids, frames).tolist()
+    media = [
+        MediaInput(
+            kind=m.kind,
+            span=MediaSpan(m.offset, m.length, m.content_hash),
+            pixel_values=torch.from_numpy(ipc.frame_array(m.pixels, frames)),
+            grid_thw=m.grid_thw,
+        )
+        for m in msg.media
+    ]
+    positions = None
+    if msg.mrope_positions is not None:
+        positions = ipc.frame_array(msg.mrope_positions, frames)
+    return ProcessedPrompt(token_ids=token_ids, media=media, mrope_positions=positions, mrope_delta=msg.mrope_delta)
+
+
+class EngineCore:
+    def __init__(self, config: ServerConfig, paths: ipc.IpcPaths) -> None:
+        self.config = config
+        self.engine = Engine(config.model, **config.engine_kwargs())
+        self.scheduler = self.engine.scheduler
+        self.pool = self.engine.pool
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(paths.core)
+        self.outbox = self.ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        self.outbox.setsockopt(zmq.SNDHWM, 0)  # never block the step loop on a slow reader
+        self.outbox.connect(paths.detokenizer)
+        self.decoder = ipc.Decoder(ipc.CoreInbound)
+        self.tombstones: OrderedDict[str, None] = OrderedDict()
+        self.stats = ipc.CoreStats(pages_total=self.pool.num_pages)
+        self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])
+        self._dirty = False
+        if config.warmup:
+            self._warmup()
+        info = ipc.CoreReady(
+            model=config.model_name,
+            max_model_len=self.engine.max_model_len,
+            num_pages=self.pool.num_pages,
+            page_size=self.engine.config.page_size,
+            pid=os.getpid(),
+        )
+        self.outbox.send_multipart(ipc.encode(info))
+        logger.info("engine core ready (max_model_len %d, %d KV pages)", info.max_model_len, info.num_pages)
+
+    def _warmup(self) -> None:
+        """One short request through the whole path, so the first client does not pay for lazy init."""
+        t0 = time.perf_counter()
+        prompt = self.engine.processor.from_text("Warm up the engine: one, two, three.")
+        self.engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+        self.pool.reset_prefix_cache()
+        logger.info("warm-up took %.2f s", time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    # ---- loop ----------------------------------------------------------------------------------
+
+    def run(self, keep_going: Any) -> None:
+        while True:
+            busy = self.scheduler.has_unfinished
+            if self.inbox.poll(0 if busy else _IDLE_POLL_MS):
+                self._drain()
+            elif not busy and not keep_going():
+                logger.warning("parent process is gone; engine core exiting")
+                return
+            if self.scheduler.has_unfinished:
+                self._step()
+            if self._dirty:
+                self._flush()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                parts = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg, frames = self.decoder.decode(parts)
+            except Exception:
+                logger.exception("dropping an undecodable message")
+                continue
+            if isinstance(msg, ipc.EngineRequest):
+                self._add(msg, frames)
+            else:
+                self._abort(msg)
+            self._dirty = True
+
+    def _add(self, msg: ipc.EngineRequest, frames: list[Any]) -> None:
+        rid = msg.request_id
+        if rid in self.tombstones:  # the client left while this was being preprocessed
+            del self.tombstones[rid]
+            return
+        try:
+            request = Request(
+                request_id=rid,
+                prompt=build_prompt(msg, frames),
+                sampling=msg.sampling,
+                eos_token_ids=self.engine.eos_token_ids,
+            )
+            self.scheduler.add_request(request)
+        except RequestRejected as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            self._pending.errors.append(ipc.RequestError(rid, 400, str(exc), param="messages", code=code))
+            return
+        except Exception as exc:  # a malformed request must not take the core down
+            logger.exception("could not add request %s", rid)
+            self._pending.errors.append(ipc.RequestError(rid, 500, f"internal error: {exc}", type="server_error"))
+            return
+        self._pending.added.append(
+            ipc.DetokParams(rid, msg.sampling.stop, msg.sampling.logprobs, request.num_prompt_tokens)
+        )
+
+    def _abort(self, msg: ipc.Abort) -> None:
+        status = RequestStatus.FINISHED_STOPPED if msg.stopped else RequestStatus.FINISHED_ABORTED
+        for rid in msg.request_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is None:
+                if not msg.stopped:  # not arrived yet (or already finished: the tombstone just ages out)
+                    self.tombstones[rid] = None
+                    while len(self.tombstones) > _MAX_TOMBSTONES:
+                        self.tombstones.popitem(last=False)
+                continue
+            self.scheduler.finish(request, status)
+            self._pending.outputs.append(
+                ipc.TokenOutput(rid, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens)
+            )
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            # Nothing fits right now (transient); wait briefly for an abort instead of spinning.
+            if self.inbox.poll(5):
+                self._drain()
+            return
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.request.num_output_tokens > 0)
+        t1 = time.perf_counter()
+        try:
+            sampled = self.engine.runner.execute(plan)
+        except Exception as exc:
+            self._fail_batch(plan, exc)
+            return
+        t2 = time.perf_counter()
+        self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        outputs = self._pending.outputs
+        for chunk in plan.chunks:
+            request = chunk.request
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            finished = request.status.finished
+            logprobs = None
+            if request.sampling.logprobs is not None:
+                logprobs = [ipc.SampledLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or [])]
+            outputs.append(
+                ipc.TokenOutput(
+                    request.request_id,
+                    [token.token_id],
+                    finished,
+                    request.finish_reason,
+                    request.stop_token_id if finished else None,
+                    request.num_cached_tokens,
+                    logprobs,
+                )
+            )
+        t3 = time.perf_counter()
+        s = self.stats
+        s.steps += 1
+        s.generation_tokens += len(sampled)
+        s.prompt_tokens += plan.num_tokens - decodes
+        s.preemptions += len(plan.preempted)
+        s.schedule_s += t1 - t0
+        s.forward_s += t2 - t1
+        s.update_s += t3 - t2
+        self._dirty = True
+
+    def _fail_batch(self, plan: Any, exc: Exception) -> None:
+        """The forward pass failed: fail this batch's requests (freeing their pages), keep serving."""
+        logger.exception("forward pass failed for %d requests", len(plan.chunks))
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status.finished:
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._pending.errors.append(
+                ipc.RequestError(request.request_id, 500, f"the forward pass failed: {exc}", type="server_error")
+            )
+        self._dirty = True
+
+    def _flush(self) -> None:
+        s = self.stats
+        s.pages_used = self.pool.num_used
+        s.pages_cached = self.pool.num_cached
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.cached_prompt_tokens = self.pool.hits * self.pool.page_size
+        self._pending.stats = s
+        self.outbox.send_multipart(ipc.encode(self._pending), copy=False)
+        self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])
+        self._dirty = False

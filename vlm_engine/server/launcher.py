@@ -1,0 +1,172 @@
+"""`vlm-engine serve`: start the child processes, serve HTTP, watch the children, shut down cleanly.
+
+Process layout (all children use the `spawn` start method):
+    api server (this process: uvicorn + FastAPI, nice 19)
+    ├── vlm-core    engine core: scheduler + model runner (normal priority, all torch threads)
+    ├── vlm-detok   detokenizer (nice 19, 1 torch thread)
+    └── vlm-prep-i  preprocess workers (nice 19, 1 torch thread each)
+
+Lifecycle:
+- /health is 503 until the core (after warm-up) and every worker have reported ready.
+- SIGINT/SIGTERM: /health and new requests answer 503, in-flight requests get
+  `shutdown_timeout_s` to finish and are then failed and aborted; uvicorn stops, children get
+  SIGTERM (then SIGKILL), are joined, and the process exits 0. A second signal stops at once.
+- A child that dies: every in-flight request gets an error, /health turns 503, and the server
+  exits with status 1 (a supervisor restarts the whole group; partial restarts would have to
+  rebuild state the dead child held, e.g. the KV cache or detokenizer streams).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from vlm_engine import ipc
+from vlm_engine.server.api import ServerState, build_app
+from vlm_engine.server.config import ServerConfig
+from vlm_engine.server.detokenizer_proc import run_detokenizer
+from vlm_engine.server.engine_client import EngineClient
+from vlm_engine.server.engine_core import run_engine_core
+from vlm_engine.server.preprocess_worker import run_preprocess_worker
+from vlm_engine.server.procs import ChildGroup, lower_priority, set_process_name, setup_logging
+
+logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.2
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the server until a signal or a child failure; returns the process exit status."""
+    setup_logging(config.log_level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_dir = Path(tempfile.mkdtemp(prefix="vlm-engine-"))
+    paths = ipc.IpcPaths(run_dir)
+    children = ChildGroup()
+    children.add("engine-core", run_engine_core, config, paths)
+    children.add("detokenizer", run_detokenizer, config, paths)
+    for i in range(config.preprocess_workers):
+        children.add(f"preprocess-{i}", run_preprocess_worker, config, paths, i)
+    try:
+        children.start()
+        # Only after the spawns: children inherit the niceness, and the core must keep priority 0.
+        lower_priority(config.side_process_nice)
+        set_process_name("vlm-api")
+        return asyncio.run(_serve_http(config, paths, children))
+    finally:
+        children.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        logger.info("all child processes stopped")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with our shutdown: drain first, and never re-raise the signal (exit status 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, timeout_s: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.timeout_s = timeout_s
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.state.draining or self.should_exit:
+            logger.warning("second signal: stopping now")
+            self.should_exit = True
+            self.force_exit = True
+            return
+        logger.info("received %s: draining in-flight requests", signal.Signals(sig).name)
+        self.state.draining = True
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._start_drain)
+        else:
+            self.should_exit = True
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def _drain(self) -> None:
+        client = self.state.client
+        deadline = time.monotonic() + self.timeout_s
+        while client.num_inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if client.num_inflight:
+            logger.warning("aborting %d unfinished requests", client.num_inflight)
+            client.fail_all(503, "the server is shutting down")
+            await asyncio.sleep(0.1)  # let the handlers write their error responses
+        self.should_exit = True
+
+    def fail(self, message: str, exit_code: int) -> None:
+        """A child died: fail everything in flight, then stop."""
+        if self.state.failure is None and not self.state.draining:
+            self.state.failure = message
+            self.exit_code = exit_code
+        self.state.client.fail_all(500, message)
+        self._loop.call_later(0.2, setattr, self, "should_exit", True)  # type: ignore[union-attr]
+
+
+async def _watch(children: ChildGroup, server: _Server) -> None:
+    while True:
+        await asyncio.sleep(_WATCH_INTERVAL_S)
+        dead = children.dead()
+        if dead:
+            child = dead[0]
+            message = f"the {child.name} process (pid {child.pid}) exited with status {child.exitcode}"
+            if server.state.draining:
+                logger.warning("%s during shutdown", message)
+                server.fail(message, 0)
+            else:
+                logger.error("%s; shutting down", message)
+                server.fail(message, 1)
+            return
+
+
+async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: ChildGroup) -> int:
+    client = EngineClient(paths, config.preprocess_workers)
+    client.start()
+    state = ServerState(config, client)
+    uv_config = uvicorn.Config(
+        build_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 2,
+    )
+    server = _Server(uv_config, state, config.shutdown_timeout_s)
+    watchdog = asyncio.get_running_loop().create_task(_watch(children, server))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+        client.close()
+    return server.exit_code

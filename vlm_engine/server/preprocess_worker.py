@@ -1,0 +1,138 @@
+"""A preprocessing worker process: OpenAI messages / prompts -> engine requests.
+
+Chat template, tokenization, media fetch and decode, resize/normalize and content hashing all
+happen here (through `preprocess.prompt.PromptProcessor`), off the API server's event loop and off
+the engine core. Pixel tensors, token ids and M-RoPE positions leave as raw ZMQ frames.
+Client mistakes become a `RequestError` (HTTP 400) sent straight to the API server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import zmq
+
+from vlm_engine import ipc
+from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.server.config import ServerConfig
+from vlm_engine.server.procs import init_child, parent_alive
+
+logger = logging.getLogger(__name__)
+
+
+def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int) -> None:
+    """Child-process entry point."""
+    init_child(f"vlm-prep-{index}", config.log_level, side=True, nice=config.side_process_nice)
+    from preprocess.prompt import PromptProcessor
+    from vlm_engine.models.registry import load_config, resolve_model
+
+    source = resolve_model(config.model)
+    processor = PromptProcessor(
+        source.directory,
+        load_config(source),
+        source.gguf_file,
+        limits=config.media_limits(),
+        max_images=config.limit_mm_per_prompt,
+    )
+    parent = os.getppid()
+    worker = PreprocessWorker(processor, paths, index)
+    try:
+        worker.run(lambda: parent_alive(parent))
+    finally:
+        worker.close()
+
+
+def encode_engine_request(request_id: str, sampling: Any, prompt: ProcessedPrompt) -> list[Any]:
+    """The multipart message for one engine request; arrays travel as frames, not in msgpack."""
+    frames: list[Any] = []
+    token_ids = ipc.tensor_frame(np.asarray(prompt.token_ids, dtype=np.int32), frames)
+    media = [
+        ipc.MediaMeta(
+            m.kind, m.span.offset, m.span.length, m.span.content_hash, tuple(m.grid_thw),
+            ipc.tensor_frame(m.pixel_values, frames),
+        )
+        for m in prompt.media
+    ]
+    positions = None
+    if prompt.mrope_positions is not None:
+        positions = ipc.tensor_frame(np.asarray(prompt.mrope_positions), frames)
+    msg = ipc.EngineRequest(request_id, sampling, token_ids, media, positions, int(prompt.mrope_delta))
+    return ipc.encode(msg, frames)
+
+
+def choice_sampling(sampling: Any, index: int) -> Any:
+    # n > 1 with a seed: each choice gets its own stream (seed + index) so the choices differ
+    # but the request as a whole stays reproducible.
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + index)
+
+
+class PreprocessWorker:
+    def __init__(self, processor: Any, paths: ipc.IpcPaths, index: int) -> None:
+        self.processor = processor
+        self.index = index
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(paths.worker(index))
+        self.to_core = self.ctx.socket(zmq.PUSH)
+        self.to_core.connect(paths.core)
+        self.to_api = self.ctx.socket(zmq.PUSH)
+        self.to_api.connect(paths.api)
+        for sock in (self.inbox, self.to_core, self.to_api):
+            sock.setsockopt(zmq.LINGER, 0)
+        for sock in (self.to_core, self.to_api):
+            sock.setsockopt(zmq.SNDHWM, 0)
+        self.decoder = ipc.Decoder(ipc.WorkerInbound)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+    def run(self, keep_going: Any) -> None:
+        self.to_api.send_multipart(ipc.encode(ipc.WorkerReady(self.index, os.getpid())))
+        logger.info("preprocess worker %d ready", self.index)
+        while True:
+            if not self.inbox.poll(500):
+                if not keep_going():
+                    logger.warning("parent process is gone; preprocess worker exiting")
+                    return
+                continue
+            parts = self.inbox.recv_multipart(copy=False)
+            try:
+                request, _ = self.decoder.decode(parts)
+            except Exception:
+                logger.exception("dropping an undecodable message")
+                continue
+            try:
+                self.handle(request)
+            finally:
+                self.to_api.send_multipart(ipc.encode(ipc.PreprocessDone(self.index)))
+
+    def handle(self, request: ipc.PreprocessRequest) -> None:
+        ids = [f"{request.request_id}-{request.first_index + i}" for i in range(request.n)]
+        try:
+            prompt = self.process(request)
+        except ValueError as exc:  # PromptError, MediaError: the client's input
+            self._fail(ids, 400, getattr(exc, "message", str(exc)), getattr(exc, "param", None))
+            return
+        except Exception as exc:
+            logger.exception("preprocessing failed for %s", request.request_id)
+            self._fail(ids, 500, f"preprocessing failed: {type(exc).__name__}", None, "server_error")
+            return
+        for i, rid in enumerate(ids):
+            self.to_core.send_multipart(encode_engine_request(rid, choice_sampling(request.sampling, i), prompt), copy=False)
+
+    def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
+        if request.messages is not None:
+            return self.processor.from_messages(request.messages)
+        if isinstance(request.prompt, str):
+            return self.processor.from_text(request.prompt)
+        return self.processor.from_token_ids(list(request.prompt or []))
+
+    def _fail(self, ids: list[str], status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> None:
+        for rid in ids:
+            self.to_api.send_multipart(ipc.encode(ipc.RequestError(rid, status, message, kind, param)))

@@ -1,0 +1,137 @@
+"""Starting, watching and stopping the server's child processes.
+
+Every child is started with the `spawn` method (no forked torch / zmq state), names itself (so
+`top` and `ps -o comm` show what it is), asks the kernel to kill it when the API process dies (no
+orphans even after a SIGKILL of the parent), ignores SIGINT (a Ctrl-C reaches the whole process
+group; the parent decides the shutdown order) and exits cleanly on SIGTERM.
+
+Side processes (API, preprocess, detokenizer) run at nice 19 with one torch thread: on a small
+CPU box a side process competing at full priority made a 2-thread engine step up to 3.8x slower
+(see shared/CPU-PERF.md); the engine core keeps normal priority and all of torch's threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s[%(process)d] %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def _prctl(option: int, value: Any) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(option, value, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: no-op
+        pass
+
+
+def set_process_name(name: str) -> None:
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]))
+
+
+def lower_priority(nice: int) -> None:
+    if nice <= 0:
+        return
+    try:
+        os.nice(nice - os.nice(0))
+    except OSError:
+        pass
+
+
+def init_child(name: str, log_level: str, side: bool, nice: int = 19) -> None:
+    """First thing a child does: name, lifetime tied to the parent, signals, priority, threads."""
+    parent = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent or parent == 1:  # the parent died before the prctl took effect
+        os._exit(1)
+    set_process_name(name)
+    multiprocessing.current_process().name = name
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    setup_logging(log_level)
+    if side:
+        lower_priority(nice)
+        import torch
+
+        torch.set_num_threads(1)
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    return os.getppid() == parent_pid
+
+
+@dataclass
+class Child:
+    name: str
+    target: Callable[..., None]
+    args: tuple[Any, ...]
+    process: Any = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.process.exitcode if self.process is not None else None
+
+
+@dataclass
+class ChildGroup:
+    """The children of one server run, started together and stopped together."""
+
+    children: list[Child] = field(default_factory=list)
+
+    def add(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        self.children.append(Child(name, target, args))
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        for child in self.children:
+            child.process = ctx.Process(target=child.target, args=child.args, name=child.name, daemon=False)
+            child.process.start()
+            logger.info("started %s (pid %d)", child.name, child.pid)
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.process is not None and not c.process.is_alive()]
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM everyone, wait, then SIGKILL whoever is left; always reaps every child."""
+        for child in self.children:
+            if child.alive:
+                child.process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            if child.process is None:
+                continue
+            child.process.join(max(0.0, deadline - time.monotonic()))
+            if child.process.is_alive():
+                logger.warning("%s (pid %d) did not exit after SIGTERM; killing it", child.name, child.pid)
+                child.process.kill()
+                child.process.join(5.0)
