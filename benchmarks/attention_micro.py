@@ -15,10 +15,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from vlm_engine.runner.attention.cpu_kernel import load_paged_attention  # noqa: E402
-from vlm_engine.runner.attention.reference import (  # noqa: E402
+from vlm_engine.runner.attention.cpu_kernel import load_paged_attention
+from vlm_engine.runner.attention.reference import (
     paged_attention_reference,
     paged_attention_torch,
 )
@@ -72,7 +72,7 @@ def main():
     t0 = time.perf_counter()
     op = load_paged_attention()
     print(f"load_paged_attention: {time.perf_counter() - t0:.1f} s, op={'yes' if op else 'NO (fallback)'}")
-    print(f"torch threads: {torch.get_num_threads()}")
+    print(f"torch threads: {torch.get_num_threads()}, load average: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     g = torch.Generator().manual_seed(1)
     kv_lens = torch.randint(100, 1001, (a.batch,), generator=g).tolist()
     scale = D**-0.5
@@ -87,7 +87,7 @@ def main():
                 out = torch.empty_like(args[0])
                 rows = []
                 if op is not None:
-                    rows.append(("fused op (out=)", bench(lambda *x: op(*x, out=out), (*args, scale))))
+                    rows.append(("fused op (out=)", bench(lambda *x, o=out: op(*x, out=o), (*args, scale))))
                 rows.append(("torch padded", bench(paged_attention_torch, (*args, scale))))
                 if not a.no_reference:
                     rows.append(("torch reference", bench(paged_attention_reference, (*args, scale), min_time=0.3)))

@@ -144,8 +144,9 @@ def test_torch_padded_path_matches_reference(scenario):
     rng = random.Random(7)
     q_lens, kv_lens = _scenario(scenario, 16, rng)
     args = make_case(q_lens, kv_lens, Hkv=3, G=3, D=64, page_size=16, dtype=torch.float32, seed=3)
-    torch.testing.assert_close(paged_attention_torch(*args, 0.125), paged_attention_reference(*args, 0.125),
-                               rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(
+        paged_attention_torch(*args, 0.125), paged_attention_reference(*args, 0.125), rtol=1e-5, atol=2e-5
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,9 +180,9 @@ def test_alternative_implementations(ext, impl, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("D", [40, 80, 256])
+@pytest.mark.parametrize("D", [32, 40, 80, 96, 256])
 def test_other_head_dims(ext, D, dtype):
-    # 40: portable path; 80: odd number of 16-lane vectors (no dpbf16); 256: large D.
+    # 40: portable path; 80: odd number of 16-lane vectors (no dpbf16); 32/96/256: other kernels.
     args = make_case([1, 6, 1], [33, 20, 70], 2, 2, D, 16, dtype, seed=D)
     check_close(ext.paged_attention(*args, 0.1), paged_attention_reference(*args, 0.1), dtype)
 
@@ -192,7 +193,7 @@ def test_edge_single_token(ext, dtype):
     out = ext.paged_attention(*args, 0.125)
     check_close(out, paged_attention_reference(*args, 0.125), dtype)
     # softmax over a single key is exactly that key's value (per GQA group)
-    q, k_cache, v_cache, bt, _, _ = args
+    _, _, v_cache, bt, _, _ = args
     v0 = v_cache[int(bt[0, 0]), 0]  # [Hkv, D]
     torch.testing.assert_close(out[0], v0.repeat_interleave(3, dim=0), rtol=0, atol=0)
 
@@ -233,6 +234,28 @@ def test_strided_inputs(ext, dtype):
     check_close(ext.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125), dtype)
 
 
+def test_concurrent_calls_from_python_threads(ext):
+    # The op releases the GIL; concurrent callers must not share scratch state.
+    import threading
+
+    cases = [make_case([1] * 8, [50 + 37 * i for i in range(8)], 3, 3, 64, 16, torch.float32, seed=s) for s in range(4)]
+    refs = [paged_attention_reference(*c, 0.125) for c in cases]
+    errors = []
+
+    def worker(i):
+        for _ in range(20):
+            out = ext.paged_attention(*cases[i], 0.125)
+            if not torch.allclose(out, refs[i], rtol=1e-5, atol=2e-5):
+                errors.append(i)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+
+
 def test_out_argument_and_uncovered_rows(ext):
     q, k_cache, v_cache, bt, sl, qsl = make_case([2, 1, 3], [5, 9, 3], 3, 3, 64, 16, torch.float32, seed=4)
     # queries 0,1 belong to nobody (qsl[0] = 2): their out rows must stay untouched
@@ -256,12 +279,20 @@ def test_out_argument_and_uncovered_rows(ext):
 def test_empty_sequences_and_empty_batch(ext):
     # a sequence with no scheduled queries in the middle of the batch
     args = make_case([2, 0, 1], [2, 10, 5], 3, 3, 64, 16, torch.float32, seed=6)
-    torch.testing.assert_close(ext.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125),
-                               rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(
+        ext.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125), rtol=1e-5, atol=2e-5
+    )
     q = torch.empty(0, 9, 64)
     kc = torch.randn(4, 16, 3, 64)
-    out = ext.paged_attention(q, kc, kc, torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
-                              torch.zeros(1, dtype=torch.int32), 0.125)
+    out = ext.paged_attention(
+        q,
+        kc,
+        kc,
+        torch.zeros(0, 1, dtype=torch.int32),
+        torch.zeros(0, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.int32),
+        0.125,
+    )
     assert out.shape == (0, 9, 64)
 
 
@@ -292,8 +323,9 @@ def test_loader_returns_callable_and_wrapper(ext):
     op = cpu_kernel.load_paged_attention()
     assert op is not None and op is cpu_kernel.load_paged_attention()  # cached
     args = make_case([1, 3], [4, 3], 3, 3, 64, 16, torch.float32, seed=12)
-    torch.testing.assert_close(cpu_kernel.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125),
-                               rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(
+        cpu_kernel.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125), rtol=1e-5, atol=2e-5
+    )
     assert "avx512" in ext.build_info()
 
 

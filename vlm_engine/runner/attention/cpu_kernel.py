@@ -30,8 +30,8 @@ import os
 import platform
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ def _ensure_ninja_on_path() -> None:
         import ninja  # type: ignore[import-not-found]
 
         candidates.insert(0, ninja.BIN_DIR)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as e:  # noqa: BLE001
+        logger.debug("python ninja package not importable: %s", e)
     for c in candidates:
         if os.path.exists(os.path.join(c, "ninja")):
             os.environ["PATH"] = c + os.pathsep + os.environ.get("PATH", "")

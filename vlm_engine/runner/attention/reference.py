@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["paged_attention_reference", "paged_attention_torch", "gather_kv"]
+__all__ = ["gather_kv", "paged_attention_reference", "paged_attention_torch"]
 
 
 def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -55,7 +55,7 @@ def paged_attention_reference(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Clearly-correct reference: per sequence, gather its KV, SDPA with an explicit causal mask."""
-    T, Hq, D = q.shape
+    T, Hq, _ = q.shape
     Hkv = k_cache.shape[2]
     if Hq % Hkv:
         raise ValueError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")

@@ -7,8 +7,9 @@
 //
 // Work decomposition: one work item = (sequence, block of query tokens, range
 // of KV heads[, KV range]).  By default an item covers all KV heads, so every
-// KV position's [Hkv, D] rows are streamed contiguously from memory (pages are
-// software-prefetched one tile ahead, since they are scattered).  Within an
+// KV position's [Hkv, D] rows are streamed contiguously from memory.  Pages are
+// scattered, so the next tile's K/V lines are software-prefetched into L2,
+// spread over the current tile's rows to overlap memory with compute.  Within an
 // item the G query heads sharing a KV head are processed together so each
 // key/value row is loaded once (into L1) for all of them.  Items are scheduled
 // dynamically (atomic counter, longest first) on the ATen intra-op thread pool.
@@ -17,10 +18,16 @@
 // (running max, running sum, unnormalised accumulator) are merged afterwards.
 //
 // Softmax: standard online softmax in the log2 domain (scores are multiplied
-// by scale*log2(e) and exponentiated with exp2), float32 throughout.
-// Only the headers we need (torch/extension.h doubles the compile time).
-#include <ATen/ATen.h>
+// by scale*log2(e) and exponentiated with exp2), float32 throughout; built
+// without -ffast-math.  bf16 inputs: q.k via vdpbf16ps (exact products, fp32
+// sums) when available, V converted to fp32.
+//
+// Only the headers we need (torch/extension.h or ATen/ATen.h double the compile time).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -50,7 +57,17 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-constexpr int kTile = 32;        // KV positions per tile
+#ifndef PA_TILE
+#define PA_TILE 32
+#endif
+#ifndef PA_PF_LOCALITY
+#define PA_PF_LOCALITY 1  // prefetcht2: into L2, not L1 (a whole tile ahead would thrash L1)
+#endif
+#ifndef PA_PF_STRIDE
+#define PA_PF_STRIDE 64
+#endif
+constexpr int kTile = PA_TILE;   // KV positions per tile
+static_assert(kTile % 16 == 0, "kTile must be a multiple of the 16-lane vector width");
 constexpr int kRowsCap = 64;     // target (query token x group head) rows per item
 constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split item
 constexpr float kLog2e = 1.4426950408889634f;
@@ -90,6 +107,8 @@ struct MergeGroup {
   int32_t b, h0, nh, q0, q1, part0, nparts;
 };
 
+// Per-thread working memory.  The backing store is thread_local and only grows, so the
+// steady state does no heap allocation (ATen's OpenMP workers are persistent threads).
 struct Scratch {
   float* acc;    // rows_max * D
   float* m;      // rows_max
@@ -98,13 +117,13 @@ struct Scratch {
   float* kf;     // kTile * D (bf16 keys converted to fp32)
   float* vf;     // kTile * D (bf16 values converted to fp32)
   int32_t* lim;  // per query token: exclusive end of its visible KV range
-  std::vector<float> buf;
-  std::vector<int32_t> ibuf;
 
   Scratch(int64_t rows_max, int64_t qb_max, int64_t D) {
-    const int64_t n = rows_max * D + 2 * rows_max + rows_max * kTile + 2 * kTile * D + 32;
-    buf.resize(n);
-    ibuf.resize(qb_max);
+    thread_local std::vector<float> buf;
+    thread_local std::vector<int32_t> ibuf;
+    const size_t n = rows_max * D + 2 * rows_max + rows_max * kTile + 2 * kTile * D + 16;
+    if (buf.size() < n) buf.resize(n);
+    if (ibuf.size() < static_cast<size_t>(qb_max)) ibuf.resize(qb_max);
     float* p = buf.data();
     p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     acc = p;
@@ -173,6 +192,45 @@ inline void finish_item(const Params& P, const Item& it, Scratch& S, int64_t row
   }
 }
 
+// Software prefetch of the next KV tile, spread over the current tile's rows so that
+// memory requests overlap with compute (a burst of hundreds of prefetches would just
+// stall on the miss buffers).  Walks "segments": per position, the K and the V bytes of
+// the item's heads (one segment each if heads are dense, else one per head).
+struct PrefetchCursor {
+  const char* const* kp = nullptr;  // per-position base pointers of the next tile
+  const char* const* vp = nullptr;
+  int64_t k_off = 0, v_off = 0;    // byte offset of head h0
+  int64_t k_hs = 0, v_hs = 0;      // byte stride between heads
+  int64_t seg_bytes = 0;
+  int nh_seg = 1;                  // head segments per position (1 if dense)
+  int nseg = 0;                    // total segments
+  int seg = 0;
+  int64_t off = 0;
+  int per_row = 0;                 // lines to issue per processed row
+
+  void step(int lines) {
+    while (lines > 0 && seg < nseg) {
+      const int pos = seg / (2 * nh_seg);
+      const int rem = seg % (2 * nh_seg);
+      const bool is_v = rem >= nh_seg;
+      const int h = is_v ? rem - nh_seg : rem;
+      const char* p = (is_v ? vp[pos] + v_off + h * v_hs : kp[pos] + k_off + h * k_hs) + off;
+      const int64_t avail = (seg_bytes - off + PA_PF_STRIDE - 1) / PA_PF_STRIDE;
+      const int n = static_cast<int>(std::min<int64_t>(avail, lines));
+#pragma GCC unroll 4
+      for (int i = 0; i < n; ++i) __builtin_prefetch(p + i * PA_PF_STRIDE, 0, PA_PF_LOCALITY);
+      lines -= n;
+      off += int64_t(n) * PA_PF_STRIDE;
+      if (off >= seg_bytes) {
+        off = 0;
+        ++seg;
+      }
+    }
+  }
+  void row_done() { step(per_row); }
+  void finish() { step(1 << 30); }
+};
+
 // ---------------------------------------------------------------------------
 // Per-item driver shared by all implementations.  Walks the item's KV range in
 // tiles of kTile positions through the block table; Core::tile() processes one
@@ -192,7 +250,7 @@ void run_item(const Params& P, const Item& it, Scratch& S) {
   const bool k_dense = P.k_sh == P.D, v_dense = P.v_sh == P.D;
   const int64_t k_off = int64_t(it.h0) * P.k_sh, v_off = int64_t(it.h0) * P.v_sh;
   // Double-buffered pointer tables: while tile i is computed, tile i+1's K/V rows are
-  // software-prefetched (pages are scattered, so hardware prefetchers can't follow).
+  // software-prefetched (pages are scattered, so hardware prefetchers can't follow them).
   const T* kp[2][kTile];
   const T* vp[2][kTile];
   int64_t pidx = it.kv0 / ps;
@@ -214,37 +272,34 @@ void run_item(const Params& P, const Item& it, Scratch& S) {
     }
     return jn;
   };
-  auto prefetch_range = [](const void* p, int64_t bytes) {
-    const char* c = static_cast<const char*>(p);
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
-  };
-  auto prefetch = [&](int buf, int jn) {
-    for (int j = 0; j < jn; ++j) {
-      if (k_dense) {
-        prefetch_range(kp[buf][j] + k_off, row_bytes * it.nh);
-      } else {
-        for (int hk = 0; hk < it.nh; ++hk) prefetch_range(kp[buf][j] + k_off + hk * P.k_sh, row_bytes);
-      }
-      if (v_dense) {
-        prefetch_range(vp[buf][j] + v_off, row_bytes * it.nh);
-      } else {
-        for (int hk = 0; hk < it.nh; ++hk) prefetch_range(vp[buf][j] + v_off + hk * P.v_sh, row_bytes);
-      }
-    }
-  };
+  PrefetchCursor pf;
+  pf.k_off = k_off * int64_t(sizeof(T));
+  pf.v_off = v_off * int64_t(sizeof(T));
+  pf.k_hs = P.k_sh * int64_t(sizeof(T));
+  pf.v_hs = P.v_sh * int64_t(sizeof(T));
+  pf.nh_seg = (k_dense && v_dense) ? 1 : it.nh;
+  pf.seg_bytes = pf.nh_seg == 1 ? row_bytes * it.nh : row_bytes;
   if (it.kv0 < max_lim) {
     int cur = 0;
     int jn = fill(cur, it.kv0);
     for (int32_t j0 = it.kv0; j0 < max_lim; j0 += kTile) {
       const int32_t nj0 = j0 + kTile;
       int njn = 0;
+      pf.nseg = 0;
+      pf.seg = 0;
+      pf.off = 0;
       if (nj0 < max_lim) {
         njn = fill(cur ^ 1, nj0);
 #ifndef PA_NO_PREFETCH
-        prefetch(cur ^ 1, njn);
+        pf.kp = reinterpret_cast<const char* const*>(kp[cur ^ 1]);
+        pf.vp = reinterpret_cast<const char* const*>(vp[cur ^ 1]);
+        pf.nseg = njn * 2 * pf.nh_seg;
+        const int64_t lines = int64_t(pf.nseg) * ((pf.seg_bytes + PA_PF_STRIDE - 1) / PA_PF_STRIDE);
+        pf.per_row = static_cast<int>((lines + rows - 1) / rows);
 #endif
       }
-      Core::tile(P, it, S, ntok, j0, jn, kp[cur], vp[cur]);
+      Core::tile(P, it, S, ntok, j0, jn, kp[cur], vp[cur], pf);
+      pf.finish();
       cur ^= 1;
       jn = njn;
     }
@@ -258,7 +313,7 @@ void run_item(const Params& P, const Item& it, Scratch& S) {
 template <typename T>
 struct GenericCore {
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
-                   const T* const* kp, const T* const* vp) {
+                   const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     const int64_t D = P.D;
     const int64_t G = P.G;
     const int64_t rpt = int64_t(it.nh) * G;
@@ -290,6 +345,7 @@ struct GenericCore {
           }
           S.m[r] = mnew;
           S.l[r] = S.l[r] * alpha + sum;
+          pf.row_done();
           float* ar = S.acc + r * D;
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
@@ -388,7 +444,7 @@ inline __m512 dot16_bf16(const bf16* q, const bf16* const* k) {
 template <typename T, int NV, bool kDp>
 struct Avx512Core {
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
-                   const T* const* kp, const T* const* vp) {
+                   const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     constexpr int D = NV * 16;
     const int64_t G = P.G;
     const int64_t rpt = int64_t(it.nh) * G;
@@ -465,6 +521,7 @@ struct Avx512Core {
           }
           S.m[r] = mnew;
           S.l[r] = S.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+          pf.row_done();
 
           float* ar = S.acc + r * D;
           __m512 a0[NV];
@@ -523,17 +580,12 @@ ItemFn select_kernel(int64_t D, int64_t impl) {
       if (dp) return &run_item<T, Avx512Core<T, NV, true>>;                    \
     }                                                                          \
     return &run_item<T, Avx512Core<T, NV, false>>;
-    switch (D) {
-      PA_CASE(1)
+    switch (D) {  // common head dims; anything else takes the portable path
       PA_CASE(2)
-      PA_CASE(3)
       PA_CASE(4)
       PA_CASE(5)
       PA_CASE(6)
-      PA_CASE(7)
       PA_CASE(8)
-      PA_CASE(10)
-      PA_CASE(12)
       PA_CASE(16)
       default:
         break;
@@ -813,6 +865,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vlm_engine fused paged attention (CPU)";
   m.def("paged_attention", &paged_attention, "Paged causal attention (see reference.py for the contract)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0);
+        py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info, "Compile-time ISA features of this build");
 }
