@@ -1,0 +1,370 @@
+"""An asyncio + httpx streaming client for OpenAI-compatible chat endpoints, and the two arrival
+processes: closed loop (fixed concurrency) and open loop (Poisson at a fixed rate).
+
+Timing rules (what every number in a report means):
+- TTFT: request sent -> first chunk that carries content (text or reasoning).
+- ITL: gaps between consecutive content chunks, divided by the tokens each chunk carried when a
+  chunk carries more than one (our server sends one chunk per token; others may not).
+- TPOT: (e2e - TTFT) / (output_tokens - 1).
+- output_tokens / prompt_tokens / cached_tokens: from the final `usage` chunk when the server
+  sends one; otherwise output tokens = number of content chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+from workloads import BenchRequest
+
+# ---- SSE ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class SSEEvent:
+    done: bool = False  # the `data: [DONE]` sentinel
+    data: dict[str, Any] | None = None
+
+
+class SSEParser:
+    """Turns SSE lines into events. Only `data:` fields matter for the OpenAI protocol; multi-line
+    data fields are joined, comments (`:`) and other fields are ignored."""
+
+    def __init__(self) -> None:
+        self._data: list[str] = []
+
+    def feed_line(self, line: str) -> SSEEvent | None:
+        line = line.rstrip("\r\n")
+        if line == "":
+            return self._flush()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        if name != "data":
+            return None
+        self._data.append(value.removeprefix(" "))
+        # Servers put one JSON object per data line; emit at once rather than waiting for the
+        # blank line, so a chunk is timestamped when its bytes arrive.
+        return self._flush()
+
+    def _flush(self) -> SSEEvent | None:
+        if not self._data:
+            return None
+        text = "\n".join(self._data)
+        self._data = []
+        if text.strip() == "[DONE]":
+            return SSEEvent(done=True)
+        return SSEEvent(data=json.loads(text))
+
+
+def parse_sse_lines(lines: Iterable[str]) -> Iterator[SSEEvent]:
+    parser = SSEParser()
+    for line in lines:
+        event = parser.feed_line(line)
+        if event is not None:
+            yield event
+
+
+def chunk_content(chunk: dict[str, Any]) -> str:
+    """Text a chat.completion(.chunk) or text_completion chunk adds (content or reasoning)."""
+    out = []
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta")
+        if delta is not None:
+            out.append(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or "")
+        else:
+            out.append(choice.get("text") or "")
+    return "".join(out)
+
+
+# ---- one request --------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    media: str
+    requested_output_tokens: int
+    scheduled_s: float = 0.0  # intended send time, relative to the run's start
+    start_s: float = 0.0  # actual send time
+    first_token_s: float | None = None
+    end_s: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    output_tokens: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    usage_reported: bool = False
+    status: int = 0
+    error: str | None = None
+    text_chars: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.start_s
+
+    @property
+    def e2e(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def decode_itl(self) -> float | None:
+        """First to last content chunk over the tokens in between: guidellm's per-request
+        inter-token latency (TPOT without the stream's tail)."""
+        if len(self.chunk_times) < 2 or self.output_tokens < 2:
+            return None
+        return (self.chunk_times[-1] - self.chunk_times[0]) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        """Per-token gaps. When chunks carry several tokens each, a gap is spread over the tokens
+        it delivered (the average tokens per chunk after the first)."""
+        gaps = np.diff(np.asarray(self.chunk_times)) if len(self.chunk_times) > 1 else np.zeros(0)
+        if len(gaps) == 0:
+            return []
+        tokens_after_first = max(self.output_tokens - 1, len(gaps))
+        per_chunk = tokens_after_first / len(gaps)
+        if per_chunk <= 1.0 + 1e-9:
+            return gaps.tolist()
+        return np.repeat(gaps / per_chunk, round(per_chunk)).tolist()
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, decode_itl=self.decode_itl)
+        return d
+
+
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    req: BenchRequest,
+    t0: float,
+    timeout_s: float,
+    record: RequestRecord,
+    headers: dict[str, str] | None = None,
+) -> RequestRecord:
+    """Stream one chat completion into `record` (times relative to `t0`); never raises."""
+    record.start_s = time.perf_counter() - t0
+    try:
+        await asyncio.wait_for(_stream(client, url, req, t0, record, headers), timeout_s)
+    except TimeoutError:
+        record.error = f"timeout after {timeout_s:.0f} s"
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:300]
+    record.end_s = time.perf_counter() - t0
+    if record.error is None and not record.usage_reported:
+        record.output_tokens = len(record.chunk_times)
+    return record
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    req: BenchRequest,
+    t0: float,
+    record: RequestRecord,
+    headers: dict[str, str] | None,
+) -> None:
+    async with client.stream("POST", url, json=req.payload, headers=headers) as response:
+        record.status = response.status_code
+        if response.status_code != 200:
+            body = (await response.aread()).decode(errors="replace")
+            record.error = f"HTTP {response.status_code}: {body[:300]}"
+            return
+        parser = SSEParser()
+        async for line in response.aiter_lines():
+            event = parser.feed_line(line)
+            if event is None:
+                continue
+            if event.done:
+                break
+            _apply_chunk(record, event.data or {}, time.perf_counter() - t0)
+            if record.error is not None:
+                return
+
+
+def _apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None:
+    if "error" in chunk:
+        err = chunk["error"]
+        record.error = f"stream error: {err.get('message') if isinstance(err, dict) else err}"[:300]
+        return
+    text = chunk_content(chunk)
+    if text:
+        if record.first_token_s is None:
+            record.first_token_s = now
+        record.chunk_times.append(now)
+        record.text_chars += len(text)
+    usage = chunk.get("usage")
+    if usage:
+        # With continuous usage stats every chunk carries usage; the last one is the total.
+        record.usage_reported = True
+        record.output_tokens = int(usage.get("completion_tokens") or 0)
+        record.prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        record.cached_tokens = details.get("cached_tokens")
+
+
+# ---- arrival processes -------------------------------------------------------------------------
+
+
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """Send times (s from start) of n requests arriving as a Poisson process at `rate` req/s."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    times = np.cumsum(gaps) - gaps[0]  # the first request goes at t = 0
+    return times.tolist()
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One point of a sweep: closed loop at `concurrency`, or open loop at `rate` req/s."""
+
+    mode: str  # "closed" | "open"
+    value: float
+    num_requests: int
+    max_duration_s: float  # stop issuing new requests after this (in-flight ones finish)
+    request_timeout_s: float
+    max_inflight: int = 256  # open loop: protect the client when the server falls behind
+
+    @property
+    def label(self) -> str:
+        return f"c={int(self.value)}" if self.mode == "closed" else f"rate={self.value:g}/s"
+
+
+def _client(limit: int, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+
+
+async def run_point(
+    url: str,
+    build: Callable[[int], BenchRequest],
+    point: LoadPoint,
+    seed: int = 0,
+    first_index: int = 0,
+    headers: dict[str, str] | None = None,
+) -> tuple[list[RequestRecord], float]:
+    """Run one load point; returns the records (in index order) and the wall duration (first send
+    to last completion)."""
+    if point.mode == "closed":
+        records = await _closed_loop(url, build, point, first_index, headers)
+    elif point.mode == "open":
+        records = await _open_loop(url, build, point, seed, first_index, headers)
+    else:
+        raise ValueError(f"unknown mode {point.mode!r}")
+    records.sort(key=lambda r: r.index)
+    if not records:
+        return records, 0.0
+    return records, max(r.end_s for r in records) - min(r.start_s for r in records)
+
+
+async def _closed_loop(
+    url: str, build: Callable[[int], BenchRequest], point: LoadPoint, first_index: int, headers: dict[str, str] | None
+) -> list[RequestRecord]:
+    concurrency = max(1, int(point.value))
+    records: list[RequestRecord] = []
+    next_index = iter(range(first_index, first_index + point.num_requests))
+    t0 = time.perf_counter()
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        for i in next_index:  # shared iterator: each index is taken by exactly one worker
+            if time.perf_counter() - t0 > point.max_duration_s:
+                return
+            req = build(i)
+            record = RequestRecord(i, req.media, req.output_tokens, scheduled_s=time.perf_counter() - t0)
+            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record, headers))
+
+    async with _client(concurrency, point.request_timeout_s) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return records
+
+
+async def _open_loop(
+    url: str,
+    build: Callable[[int], BenchRequest],
+    point: LoadPoint,
+    seed: int,
+    first_index: int,
+    headers: dict[str, str] | None,
+) -> list[RequestRecord]:
+    arrivals = poisson_arrivals(point.value, point.num_requests, seed)
+    # Build payloads (images, base64) before the clock starts: the arrival times must not slip.
+    built = [build(first_index + k) for k in range(point.num_requests)]
+    records: list[RequestRecord] = []
+    inflight = asyncio.Semaphore(point.max_inflight)
+    t0 = time.perf_counter()
+
+    async def one(client: httpx.AsyncClient, req: BenchRequest, at: float) -> None:
+        async with inflight:
+            record = RequestRecord(req.index, req.media, req.output_tokens, scheduled_s=at)
+            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record, headers))
+
+    async with _client(point.max_inflight, point.request_timeout_s) as client:
+        tasks = []
+        for req, at in zip(built, arrivals):
+            if at > point.max_duration_s:
+                break
+            delay = at - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(client, req, at)))
+        await asyncio.gather(*tasks)
+    return records
+
+
+# ---- server probes -------------------------------------------------------------------------------
+
+
+async def probe(
+    url: str, req: BenchRequest, timeout_s: float = 300.0, headers: dict[str, str] | None = None
+) -> RequestRecord:
+    """Send one request alone (warm-up, or a capability check such as video support)."""
+    async with _client(1, timeout_s) as client:
+        record = RequestRecord(req.index, req.media, req.output_tokens)
+        return await send_request(client, url, req, time.perf_counter(), timeout_s, record, headers)
+
+
+def served_model_id(base_url: str, headers: dict[str, str] | None = None) -> str | None:
+    """The first model id from GET /v1/models, or None if the server does not say."""
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+        data = r.json().get("data") or []
+        return data[0]["id"] if r.status_code == 200 and data else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
+
+
+def scrape_metrics(base_url: str) -> dict[str, float] | None:
+    """Prometheus counters from GET /metrics (our server publishes step-time counters there)."""
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            continue
+    return out

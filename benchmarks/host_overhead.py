@@ -1,0 +1,209 @@
+"""Host overhead per scheduler step against batch size, with the model forward timed separately,
+so "the scheduler is the bottleneck" can be checked, not guessed.
+
+    .venv/bin/python benchmarks/host_overhead.py                         # SmolLM2, bf16, batch 1..256
+    .venv/bin/python benchmarks/host_overhead.py --model qwen2-vl-bench --max-batch 64 --steps 5
+
+For each batch size B (1, 2, 4, ... --max-batch) it admits B requests, runs their prefill, then
+times decode steps split into: `scheduler.schedule()`, `runner.prepare_inputs()` (host-side input
+building, timed on its own), the forward (`runner.execute()` minus input building: embeddings,
+decoder, LM head, sampling), `scheduler.update()` and output building (detokenisation). Writes
+JSON and a PNG (stacked time per step vs batch size) to benchmarks/results/<time>-host/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import roofline as R
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("schedule_s", "prepare_s", "forward_s", "update_s", "outputs_s")
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    batch: int
+    schedule_s: float
+    prepare_s: float
+    forward_s: float  # execute() minus prepare_inputs(): model forward + sampling
+    update_s: float
+    outputs_s: float
+
+    @property
+    def host_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.update_s + self.outputs_s
+
+    @property
+    def total_s(self) -> float:
+        return self.host_s + self.forward_s
+
+
+def batch_sizes(max_batch: int) -> list[int]:
+    sizes, b = [], 1
+    while b <= max_batch:
+        sizes.append(b)
+        b *= 2
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+def timed_step(engine: Any) -> StepTiming | None:
+    """One engine step, done by hand so each part has its own clock (mirrors Engine.step)."""
+    sched, runner = engine.scheduler, engine.runner
+    t0 = time.perf_counter()
+    plan = sched.schedule()
+    t1 = time.perf_counter()
+    if plan.is_empty:
+        return None
+    runner.prepare_inputs(plan.chunks)  # pure host work; execute() repeats it, subtracted below
+    t2 = time.perf_counter()
+    sampled = runner.execute(plan)
+    t3 = time.perf_counter()
+    finished = sched.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+    t4 = time.perf_counter()
+    finished_ids = {r.request_id for r in finished}
+    for chunk in plan.chunks:
+        token = sampled.get(chunk.request.request_id)
+        if token is not None:
+            engine._on_token(chunk.request, token, chunk.request.request_id in finished_ids)
+    t5 = time.perf_counter()
+    prepare = t2 - t1
+    return StepTiming(len(plan.chunks), t1 - t0, prepare, max(t3 - t2 - prepare, 0.0), t4 - t3, t5 - t4)
+
+
+def measure_batch(engine: Any, batch: int, prompt_tokens: int, steps: int, warmup: int) -> list[StepTiming]:
+    from vlm_engine import SamplingParams
+
+    vocab = max(int(getattr(engine.tokenizer, "vocab_size", 1000)) - 1, 2)
+    params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0.0, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        # Distinct prompts: no prefix-cache sharing between requests.
+        ids.append(engine.add_request([(11 + 7919 * i + 31 * j) % vocab + 1 for j in range(prompt_tokens)], params))
+    while engine.scheduler.waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+    ):
+        timed_step(engine)
+    timings = []
+    for k in range(warmup + steps):
+        t = timed_step(engine)
+        if t is not None and k >= warmup and t.batch == batch:
+            timings.append(t)
+    for rid in ids:
+        engine.abort(rid)
+    return timings
+
+
+def median_timing(batch: int, timings: list[StepTiming]) -> StepTiming:
+    return StepTiming(batch, *(statistics.median(getattr(t, p) for t in timings) for p in PARTS))
+
+
+def plot(rows: list[StepTiming], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    x = list(range(len(rows)))
+    bottom = [0.0] * len(rows)
+    for part, color in zip(PARTS, ("#d62728", "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd")):
+        vals = [1000 * getattr(r, part) for r in rows]
+        ax.bar(x, vals, bottom=bottom, label=part.removesuffix("_s"), color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set_xticks(x, [str(r.batch) for r in rows])
+    ax.set_xlabel("batch size (decoding requests)")
+    ax.set_ylabel("ms per step")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax2.plot([r.batch for r in rows], [100 * r.host_s / r.total_s for r in rows], "o-")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("batch size")
+    ax2.set_ylabel("host share of step time, %")
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2, qwen2-vl-bench, qwen2-vl-tiny or a model dir")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median reported)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+
+    from vlm_engine import Engine
+
+    model_dir = R.resolve_model_dir(args.model)
+    sizes = batch_sizes(args.max_batch)
+    engine = Engine(
+        model_dir,
+        dtype=args.dtype,
+        max_num_seqs=args.max_batch,
+        max_num_batched_tokens=max(2048, args.prompt_tokens * 16),
+        kv_cache_tokens=args.max_batch * (args.prompt_tokens + args.warmup + args.steps + 32) + 4096,
+        attention_backend=args.attention_backend,
+    )
+    machine = R.machine_ceilings()
+    dtype = str(engine.dtype).replace("torch.", "")
+    rows: list[StepTiming] = []
+    lines = []
+    # Throwaway pass: the first steps pay one-off costs (kernel JIT/loading, allocator growth).
+    measure_batch(engine, min(4, args.max_batch), args.prompt_tokens, 2, 1)
+    print(
+        f"{'batch':>5} {'schedule':>9} {'prepare':>9} {'forward':>9} {'update':>9} {'outputs':>9} {'host %':>7}  (ms per step)"
+    )
+    for b in sizes:
+        timings = measure_batch(engine, b, args.prompt_tokens, args.steps, args.warmup)
+        if not timings:
+            print(f"{b:>5}  no full-batch decode step measured (KV pool too small?)")
+            continue
+        m = median_timing(b, timings)
+        rows.append(m)
+        context = args.prompt_tokens + args.warmup + args.steps / 2
+        line = R.roofline_line(model_dir, b, context, m.forward_s, dtype, "forward only", machine)
+        lines.append(line)
+        print(
+            f"{b:>5} "
+            + " ".join(f"{1000 * getattr(m, k):9.3f}" for k in PARTS)
+            + f" {100 * m.host_s / m.total_s:6.1f}%"
+        )
+        print(f"{'':>6}{line}")
+    out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-host"
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "config": {**vars(args), "out": str(out), "model_dir": model_dir, "dtype": dtype},
+        "machine": asdict(machine),
+        "rows": [{**asdict(r), "host_s": r.host_s, "total_s": r.total_s} for r in rows],
+        "roofline": lines,
+    }
+    (out / "host_overhead.json").write_text(json.dumps(result, indent=1))
+    if rows:
+        plot(rows, out / "host_overhead.png", f"{Path(model_dir).name} {dtype}: time per decode step")
+    print(machine.describe())
+    print(f"wrote {out}/host_overhead.json and host_overhead.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""Roofline: the machine's measured matmul FLOP/s and memory bandwidth, and what fraction of each
+the engine reaches during decode.
+
+    .venv/bin/python benchmarks/roofline.py                       # measure (or show cached) ceilings
+    .venv/bin/python benchmarks/roofline.py --refresh             # re-measure
+    .venv/bin/python benchmarks/roofline.py --engine smollm2 --dtype bfloat16 --batch 64 --context 512
+        # in-process Engine decode at batch 64: the issue's ">= 60% of matmul FLOP/s" check
+
+Arithmetic (decode, one step at batch B, mean context L):
+    FLOPs/token  = 2 * (decoder linear params + LM head params) + 4 * layers * q_heads * head_dim * L
+    bytes/step   = (decoder linear + LM head) weight bytes + B * L * KV bytes/token
+Embedding lookups and the vision tower are excluded (decode does not run them). The engine's
+fraction = (B * FLOPs/token / step time) / matmul FLOP/s, and (bytes/step / step time) / bandwidth.
+Other scripts call `roofline_line(...)` so every report carries this line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import struct
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MACHINE_CACHE = RESULTS / "machine.json"
+
+_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
+
+
+# ---- machine ceilings ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MachineCeilings:
+    matmul_fp32_flops: float
+    matmul_bf16_flops: float
+    mem_read_bytes_s: float  # streaming read (tensor.sum)
+    mem_copy_bytes_s: float  # read + write (copy_), counted as 2x bytes
+    threads: int
+    cpu: str
+    torch_version: str
+    matmul_n: int
+
+    @property
+    def mem_bytes_s(self) -> float:
+        """The bandwidth fractions are taken against: the better of the two streaming measures."""
+        return max(self.mem_read_bytes_s, self.mem_copy_bytes_s)
+
+    def matmul_flops(self, dtype: str) -> float:
+        return self.matmul_bf16_flops if dtype in ("bfloat16", "float16", "bf16") else self.matmul_fp32_flops
+
+    def describe(self) -> str:
+        return (
+            f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32, "
+            f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16; memory read {self.mem_read_bytes_s / 1e9:.1f} GB/s, "
+            f"copy {self.mem_copy_bytes_s / 1e9:.1f} GB/s ({self.threads} threads, {self.cpu})"
+        )
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _best_time(fn: Any, repeats: int) -> float:
+    fn()  # warm-up: first call pays allocation and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_matmul(n: int = 2048, dtype: str = "float32", repeats: int = 5) -> float:
+    import torch
+
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(n, n, dtype=dt), torch.randn(n, n, dtype=dt)
+    out = torch.empty(n, n, dtype=dt)
+    return 2 * n**3 / _best_time(lambda: torch.matmul(a, b, out=out), repeats)
+
+
+def measure_bandwidth(mbytes: int = 512, repeats: int = 5) -> tuple[float, float]:
+    """(read bytes/s, copy bytes/s) over a tensor far larger than the last-level cache."""
+    import torch
+
+    n = mbytes * 2**20 // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    read = x.numel() * 4 / _best_time(lambda: x.sum(), repeats)
+    copy = 2 * x.numel() * 4 / _best_time(lambda: y.copy_(x), repeats)
+    return read, copy
+
+
+def measure_machine(n: int = 2048, repeats: int = 5) -> MachineCeilings:
+    import torch
+
+    read, copy = measure_bandwidth(repeats=repeats)
+    return MachineCeilings(
+        matmul_fp32_flops=measure_matmul(n, "float32", repeats),
+        matmul_bf16_flops=measure_matmul(n, "bfloat16", repeats),
+        mem_read_bytes_s=read,
+        mem_copy_bytes_s=copy,
+        threads=torch.get_num_threads(),
+        cpu=cpu_name(),
+        torch_version=torch.__version__,
+        matmul_n=n,
+    )
+
+
+def machine_ceilings(refresh: bool = False, path: Path = MACHINE_CACHE) -> MachineCeilings:
+    """Cached ceilings for this CPU / thread count / torch, measured (~10 s) when missing or stale."""
+    import torch
+
+    if not refresh and path.exists():
+        try:
+            cached = MachineCeilings(**json.loads(path.read_text()))
+            if (cached.cpu, cached.threads, cached.torch_version) == (
+                cpu_name(),
+                torch.get_num_threads(),
+                torch.__version__,
+            ):
+                return cached
+        except (TypeError, ValueError):
+            pass
+    ceilings = measure_machine()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(ceilings), indent=2))
+    return ceilings
+
+
+# ---- model cost --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Decode-relevant sizes of a checkpoint, read from config.json and safetensors headers only."""
+
+    decoder_params: int  # linear/norm weights of the text decoder layers
+    lm_head_params: int  # vocab x hidden (the tied embedding when there is no separate head)
+    embed_params: int
+    vision_params: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def decode_params(self) -> int:
+        return self.decoder_params + self.lm_head_params
+
+    def flops_per_token(self, context: float) -> float:
+        return 2.0 * self.decode_params + 4.0 * self.num_layers * self.num_heads * self.head_dim * context
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def bytes_per_step(self, batch: int, context: float, dtype_bytes: int) -> float:
+        return self.decode_params * dtype_bytes + batch * context * self.kv_bytes_per_token(dtype_bytes)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelCost:
+        model_dir = Path(model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        text = config.get("text_config") or config
+        shapes = safetensors_shapes(model_dir)
+        decoder = lm_head = embed = vision = 0
+        for name, shape in shapes.items():
+            numel = 1
+            for d in shape:
+                numel *= d
+            if "visual" in name or "vision" in name:
+                vision += numel
+            elif "embed_tokens" in name:
+                embed += numel
+            elif name.startswith("lm_head"):
+                lm_head += numel
+            else:
+                decoder += numel
+        if lm_head == 0:  # tied: the LM head matmul still runs, over the embedding matrix
+            lm_head = embed
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+        return cls(
+            decoder,
+            lm_head,
+            embed,
+            vision,
+            int(text["num_hidden_layers"]),
+            heads,
+            int(text.get("num_key_value_heads") or heads),
+            head_dim,
+        )
+
+
+def safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = list(info["shape"])
+    if not shapes:
+        raise FileNotFoundError(f"no safetensors files in {model_dir}")
+    return shapes
+
+
+# ---- achieved fraction ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Roofline:
+    batch: float
+    context: float
+    step_s: float
+    dtype: str
+    achieved_flops: float
+    achieved_bytes_s: float
+    flops_fraction: float
+    bandwidth_fraction: float
+    basis: str  # where step_s came from
+
+    def line(self) -> str:
+        return (
+            f"roofline: {100 * self.flops_fraction:.0f}% of matmul FLOP/s ({self.achieved_flops / 1e9:.1f} GFLOP/s {self.dtype}), "
+            f"{100 * self.bandwidth_fraction:.0f}% of memory bandwidth ({self.achieved_bytes_s / 1e9:.1f} GB/s) "
+            f"at batch {self.batch:.0f}, context {self.context:.0f}, step {1000 * self.step_s:.1f} ms [{self.basis}]"
+            + self.warning
+        )
+
+    @property
+    def warning(self) -> str:
+        # Above a ceiling means the time used is not a real decode step, e.g. a server that
+        # delivered most tokens in one burst makes the client-side TPOT near zero.
+        if self.flops_fraction > 1 or self.bandwidth_fraction > 1:
+            return " (IMPLAUSIBLE: above the machine's ceiling, so this step time is not a decode step)"
+        return ""
+
+
+def roofline(
+    cost: ModelCost, machine: MachineCeilings, batch: float, context: float, step_s: float, dtype: str, basis: str
+) -> Roofline:
+    dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
+    flops = batch * cost.flops_per_token(context) / step_s
+    bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes) / step_s
+    return Roofline(
+        batch,
+        context,
+        step_s,
+        dtype,
+        flops,
+        bytes_s,
+        flops / machine.matmul_flops(dtype),
+        bytes_s / machine.mem_bytes_s,
+        basis,
+    )
+
+
+def roofline_line(
+    model_dir: str | Path | None,
+    batch: float,
+    context: float,
+    step_s: float | None,
+    dtype: str,
+    basis: str,
+    machine: MachineCeilings | None = None,
+) -> str:
+    """The one-line roofline every report prints; says why when it cannot be computed."""
+    if model_dir is None or step_s is None or not step_s > 0 or not batch > 0:
+        return "roofline: n/a (no model directory or no decode step time measured)"
+    try:
+        cost = ModelCost.from_dir(model_dir)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        return f"roofline: n/a ({exc})"
+    return roofline(cost, machine or machine_ceilings(), batch, context, step_s, dtype, basis).line()
+
+
+# ---- in-process engine decode -----------------------------------------------------------------------------
+
+
+def engine_decode_step(
+    model: str, dtype: str, batch: int, context: int, steps: int = 8, attention_backend: str = "auto"
+) -> dict[str, Any]:
+    """Median decode step (whole `engine.step()` and forward alone) at `batch` sequences of about
+    `context` tokens, measured in-process after every sequence has finished its prefill."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from vlm_engine import Engine, SamplingParams
+
+    engine = Engine(
+        model,
+        dtype=dtype,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, context + 16),
+        kv_cache_tokens=batch * (context + steps + 64) + 1024,
+        attention_backend=attention_backend,
+    )
+    vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
+    # Throwaway decode steps first: the first ones pay one-off costs (kernel loading, allocator).
+    engine.generate(
+        [[5 + j for j in range(32)]] * min(batch, 4), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        # Distinct token ids per sequence: no prefix-cache sharing, every sequence pays its own KV.
+        ids = [(7 + i * 131 + j * 17) % max(vocab - 1, 2) + 1 for j in range(context)]
+        engine.add_request(ids, params)
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
+        engine.step()
+    totals, forwards = [], []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - t)
+        if engine.last_step.num_seqs == batch:
+            forwards.append(engine.last_step.forward_s)
+    totals.sort()
+    forwards.sort()
+    return {
+        "model_dir": str(engine.source.directory),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "batch": batch,
+        "context": context + steps / 2,
+        "step_s": totals[len(totals) // 2],
+        "forward_s": forwards[len(forwards) // 2] if forwards else None,
+    }
+
+
+def resolve_model_dir(name: str) -> str:
+    """`smollm2` / `qwen2-vl-bench` / `qwen2-vl-tiny` -> the cached checkpoint directory; else as is."""
+    from vlm_engine.testing.checkpoints import cached_qwen2_vl, cached_smollm2
+
+    aliases = {
+        "smollm2": cached_smollm2,
+        "qwen2-vl-bench": lambda: cached_qwen2_vl("bench"),
+        "qwen2-vl-tiny": lambda: cached_qwen2_vl("tiny"),
+    }
+    return str(aliases[name]()) if name in aliases else name
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--refresh", action="store_true", help="re-measure the machine ceilings")
+    p.add_argument(
+        "--engine", default=None, help="also time in-process decode: smollm2, qwen2-vl-bench, or a model dir"
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence before decode")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = p.parse_args(argv)
+
+    machine = machine_ceilings(refresh=args.refresh)
+    print(machine.describe())
+    result: dict[str, Any] = {"machine": asdict(machine)}
+    if args.engine:
+        model_dir = resolve_model_dir(args.engine)
+        m = engine_decode_step(model_dir, args.dtype, args.batch, args.context, args.steps)
+        cost = ModelCost.from_dir(m["model_dir"])
+        for key in ("step_s", "forward_s"):
+            if m[key]:
+                r = roofline(cost, machine, m["batch"], m["context"], m[key], m["dtype"], f"in-process engine, {key}")
+                print(r.line())
+                result[key] = asdict(r)
+        result["engine"] = m
+        result["cost"] = asdict(cost)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

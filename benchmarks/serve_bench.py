@@ -1,0 +1,411 @@
+"""Drive any OpenAI-compatible chat endpoint with the three workloads (chatbot, agent, data
+processor), closed loop at fixed concurrencies and open loop (Poisson) at fixed rates, and write
+JSON (config, per-request records, summaries) plus PNG plots.
+
+    # a server already running on :8000 (ours: `vlm-engine serve --model DIR --port 8000`)
+    .venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --model-dir DIR \\
+        --workload data --concurrency 1,4,16 --rate 0.5,1 --num-requests 32
+
+    # the same through the CLI (when `vlm-engine bench` is wired in): vlm-engine bench --base-url ...
+
+Payloads are deterministic (workloads.py), so two servers see byte-identical requests. The
+`--flavor` (auto-detected by default) decides which non-standard fields are sent to pin output
+lengths: `ignore_eos` for vlm-engine/vLLM/SGLang, a `generation_config` with min_new_tokens for
+`transformers serve` (which answers 422 to unknown fields); the JSON records what was sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run by path
+
+import client as C
+import roofline as R
+import stats as S
+import workloads as W
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WARMUP_INDEX = 900_000  # warm-up requests use their own indices: no image repeats a measured one
+
+
+@dataclass
+class BenchConfig:
+    base_url: str
+    workloads: list[str]
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16])
+    rates: list[float] = field(default_factory=list)
+    num_requests: int = 32
+    max_duration_s: float = 300.0
+    request_timeout_s: float = 600.0
+    warmup: int = 2
+    model: str | None = None  # request `model` field; None: from /v1/models
+    model_dir: str | None = None  # tokenizer + roofline source (the served checkpoint)
+    flavor: str = "auto"
+    text_only: bool | None = None  # None: from model_dir's config (no vision_config -> text only)
+    seed: int = 0
+    server_label: str = "server"
+    dtype: str | None = None  # served dtype, for the roofline (None: the checkpoint's)
+    api_key: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)  # WorkloadSpec fields
+
+    @property
+    def chat_url(self) -> str:
+        return self.base_url.rstrip("/") + "/v1/chat/completions"
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+
+
+# ---- set-up ---------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model_dir: str | None) -> Any:
+    if model_dir is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def is_text_only(model_dir: str | None) -> bool:
+    if model_dir is None:
+        return False
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return "vision_config" not in config
+
+
+def checkpoint_dtype(model_dir: str | None) -> str:
+    if model_dir is None:
+        return "float32"
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32")
+
+
+def detect_flavor(cfg: BenchConfig, model: str | None) -> str:
+    """Which length-pinning fields the server accepts, by trying them on a 1-token request."""
+    for flavor in ("vlm-engine", "transformers", "openai"):
+        payload = W.chat_payload([{"role": "user", "content": "Hi"}], 1, model, flavor)
+        record = asyncio.run(C.probe(cfg.chat_url, W.BenchRequest(-1, payload, 1, "none"), 600.0, cfg.headers))
+        if record.ok:
+            return flavor
+        if record.status not in (400, 422):
+            raise RuntimeError(f"the server failed a 1-token probe request: {record.error}")
+    raise RuntimeError("the server rejected even a plain chat request")
+
+
+def workload_factory(cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any) -> W.RequestFactory:
+    spec = W.workload_spec(name, **cfg.overrides)
+    text_only = cfg.text_only if cfg.text_only is not None else is_text_only(cfg.model_dir)
+    if text_only:
+        spec = W.text_only(spec)
+    return W.RequestFactory(spec, model, flavor, cfg.seed, tokenizer)
+
+
+def load_points(cfg: BenchConfig) -> list[C.LoadPoint]:
+    closed = [
+        C.LoadPoint("closed", c, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s) for c in cfg.concurrency
+    ]
+    opened = [C.LoadPoint("open", r, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s) for r in cfg.rates]
+    return closed + opened
+
+
+# ---- roofline for one point --------------------------------------------------------------------------
+
+
+def point_roofline(
+    cfg: BenchConfig,
+    point: C.LoadPoint,
+    summary: S.Summary,
+    before: dict[str, float] | None,
+    after: dict[str, float] | None,
+) -> dict[str, str]:
+    """Roofline lines: from the server's step counters when it publishes them (ours), and from
+    the client's view (TPOT p50 as the decode step at batch ~= concurrency) for any server."""
+    dtype = cfg.dtype or checkpoint_dtype(cfg.model_dir)
+    context = (summary.mean_prompt_tokens if math.isfinite(summary.mean_prompt_tokens) else 0.0) + (
+        summary.mean_output_tokens / 2 if math.isfinite(summary.mean_output_tokens) else 0.0
+    )
+    lines = {}
+    batch = point.value if point.mode == "closed" else summary.request_throughput * summary.e2e.mean
+    # TPOT, not ITL: servers that merge several tokens into one chunk make single gaps ~0.
+    if math.isfinite(summary.tpot.p50) and math.isfinite(batch):
+        lines["client"] = R.roofline_line(
+            cfg.model_dir,
+            batch,
+            context,
+            summary.tpot.p50,
+            dtype,
+            f"client: TPOT p50 as the decode step at batch ~{batch:.1f}",
+        )
+    if before and after:
+        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        steps = d.get("vlm_steps_total", 0.0)
+        fwd = d.get("vlm_step_forward_seconds_total", 0.0)
+        tokens = d.get("vlm_generation_tokens_total", 0.0) + d.get("vlm_prompt_tokens_total", 0.0)
+        if steps > 0 and fwd > 0:
+            host = d.get("vlm_step_schedule_seconds_total", 0.0) + d.get("vlm_step_update_seconds_total", 0.0)
+            lines["server"] = R.roofline_line(
+                cfg.model_dir,
+                tokens / steps,
+                context,
+                fwd / steps,
+                dtype,
+                f"server counters: {steps:.0f} steps, all tokens incl. prefill",
+            )
+            lines["host_share"] = (
+                f"host overhead: {100 * host / (host + fwd):.1f}% of step time ({1000 * host / steps:.2f} ms/step)"
+            )
+    return lines
+
+
+# ---- running -------------------------------------------------------------------------------------------
+
+
+def run_workload(
+    cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any, log: Any = print
+) -> tuple[list[dict[str, Any]], str | None]:
+    """All load points of one workload; returns (points, skip reason)."""
+    factory = workload_factory(cfg, name, model, flavor, tokenizer)
+    if factory.spec.video_frames > 0:
+        record = asyncio.run(C.probe(cfg.chat_url, factory.build(WARMUP_INDEX - 1), cfg.request_timeout_s, cfg.headers))
+        if not record.ok:
+            return [], f"video unsupported by this server: {record.error}"
+    for k in range(cfg.warmup):
+        record = asyncio.run(C.probe(cfg.chat_url, factory.build(WARMUP_INDEX + k), cfg.request_timeout_s, cfg.headers))
+        if not record.ok:
+            log(f"  warm-up request failed: {record.error}")
+    points = []
+    first_index = 0
+    for point in load_points(cfg):
+        before = C.scrape_metrics(cfg.base_url)
+        records, duration = asyncio.run(
+            C.run_point(cfg.chat_url, factory.build, point, cfg.seed, first_index, cfg.headers)
+        )
+        after = C.scrape_metrics(cfg.base_url)
+        summary = S.summarize(records, duration)
+        roof = point_roofline(cfg, point, summary, before, after)
+        log(S.one_line(f"{name} {point.label}", summary))
+        for line in roof.values():
+            log(f"{'':>14}{line}")
+        points.append(
+            {
+                "server": cfg.server_label,
+                "workload": name,
+                "mode": point.mode,
+                "value": point.value,
+                "label": point.label,
+                "first_index": first_index,
+                "summary": summary.to_json(),
+                "roofline": roof,
+                "spec": W.spec_dict(factory.spec),
+                "records": [r.to_json() for r in records],
+            }
+        )
+        first_index += point.num_requests  # fresh requests (fresh images) for every point
+    return points, None
+
+
+def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
+    started = time.time()
+    model = cfg.model or C.served_model_id(cfg.base_url, cfg.headers)
+    flavor = detect_flavor(cfg, model) if cfg.flavor == "auto" else cfg.flavor
+    log(f"{cfg.server_label}: {cfg.base_url} model={model!r} flavor={flavor} fields={W.sent_fields(flavor)}")
+    tokenizer = load_tokenizer(cfg.model_dir)
+    machine = R.machine_ceilings()
+    points: list[dict[str, Any]] = []
+    skipped = []
+    for name in cfg.workloads:
+        pts, reason = run_workload(cfg, name, model, flavor, tokenizer, log)
+        points += pts
+        if reason:
+            log(f"{name}: skipped ({reason})")
+            skipped.append({"workload": name, "reason": reason})
+    return {
+        "config": {**asdict(cfg), "api_key": bool(cfg.api_key)},
+        "server": cfg.server_label,
+        "model": model,
+        "flavor": flavor,
+        "fields_sent": W.sent_fields(flavor),
+        "machine": asdict(machine),
+        "started": started,
+        "finished": time.time(),
+        "points": points,
+        "skipped": skipped,
+    }
+
+
+def write_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
+    import plots
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{prefix}results.json"
+    path.write_text(json.dumps(result, indent=1, default=_json_default))
+    return [path] + plots.plot_all(result["points"], out_dir, prefix)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def _size(text: str) -> tuple[int, int]:
+    w, _, h = text.lower().partition("x")
+    return int(w), int(h)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Shared with `vlm-engine bench`."""
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    p.add_argument("--workload", default="chatbot,agent,data", help="comma list of: " + ", ".join(W.WORKLOAD_NAMES))
+    p.add_argument(
+        "--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop points, e.g. 1,4,16 (empty: none)"
+    )
+    p.add_argument("--rate", type=_floats, default=[], help="open-loop Poisson rates in req/s, e.g. 0.5,1,2")
+    p.add_argument("--num-requests", type=int, default=32, help="requests per load point")
+    p.add_argument(
+        "--max-duration", type=float, default=300.0, help="per point: stop sending new requests after this many s"
+    )
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each workload")
+    p.add_argument("--model", default=None, help="the request's `model` field (default: first id of /v1/models)")
+    p.add_argument(
+        "--model-dir", default=None, help="served checkpoint dir: tokenizer for exact prompt lengths, roofline"
+    )
+    p.add_argument(
+        "--flavor", default="auto", choices=("auto",) + W.FLAVORS, help="which length-pinning fields to send"
+    )
+    p.add_argument(
+        "--text-only", action="store_true", default=None, help="no media (default: from --model-dir's config)"
+    )
+    p.add_argument("--dtype", default=None, help="served dtype, for the roofline line (default: the checkpoint's)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", default="server", help="name of this server in results and plots")
+    p.add_argument("--out", type=Path, default=None, help="results dir (default benchmarks/results/<time>-serve)")
+    p.add_argument(
+        "--start",
+        default=None,
+        choices=("ours", "transformers", "vllm", "sglang"),
+        help="start this server on --model-dir (free port, stopped afterwards) instead of using --base-url",
+    )
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for --start's server (repeatable)")
+    g = p.add_argument_group("workload shape (overrides the chosen workloads' defaults)")
+    g.add_argument("--shared-prefix-tokens", type=int, default=None, help="chatbot default 2000, agent 3000")
+    g.add_argument("--user-tokens", type=int, default=None)
+    g.add_argument(
+        "--output-tokens", type=_range, default=None, help="N or MIN:MAX (chatbot 32:200, agent 512, data 32)"
+    )
+    g.add_argument("--image-size", type=_size, default=None, help="WxH, default 320x240")
+    g.add_argument(
+        "--shared-image-prob", type=float, default=None, help="chatbot: share of requests with the common image"
+    )
+    g.add_argument(
+        "--video-frames",
+        type=int,
+        default=None,
+        help="data: send an N-frame clip instead of an image (skipped if unsupported)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    overrides = {
+        "shared_prefix_tokens": args.shared_prefix_tokens,
+        "user_tokens": args.user_tokens,
+        "output_tokens": args.output_tokens,
+        "image_size": args.image_size,
+        "shared_image_prob": args.shared_image_prob,
+        "video_frames": args.video_frames,
+    }
+    return BenchConfig(
+        base_url=args.base_url,
+        workloads=[w for w in args.workload.split(",") if w],
+        concurrency=args.concurrency,
+        rates=args.rate,
+        num_requests=args.num_requests,
+        max_duration_s=args.max_duration,
+        request_timeout_s=args.request_timeout,
+        warmup=args.warmup,
+        model=args.model,
+        model_dir=args.model_dir,
+        flavor=args.flavor,
+        text_only=args.text_only,
+        seed=args.seed,
+        server_label=args.label,
+        dtype=args.dtype,
+        api_key=args.api_key,
+        overrides={k: v for k, v in overrides.items() if v is not None},
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    for name in cfg.workloads:
+        try:
+            W.workload_spec(name)  # fail fast on a typo
+        except ValueError as exc:
+            raise SystemExit(f"serve_bench: {exc}") from None
+    out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-serve"
+    if args.start:
+        import servers
+
+        if args.model_dir is None:
+            raise SystemExit("--start needs --model-dir")
+        servers.install_signal_handlers()
+        spec = servers.ServerSpec(args.start, args.model_dir, args.dtype or "auto", tuple(args.server_arg))
+        with servers.ManagedServer(spec, out / "logs") as server:
+            print(f"started {spec.name} at {server.base_url} in {server.startup_s:.0f} s (log {server.log_path})")
+            cfg.base_url = server.base_url
+            cfg.model = cfg.model or args.model_dir
+            cfg.flavor = spec.flavor if cfg.flavor == "auto" else cfg.flavor
+            if cfg.server_label == "server":
+                cfg.server_label = spec.name
+            result = run_bench(cfg)
+    else:
+        result = run_bench(cfg)
+    for path in write_results(result, out):
+        print(f"wrote {path}")
+    machine = R.MachineCeilings(**result["machine"])
+    print(machine.describe())
+    return 1 if any(p["summary"]["num_ok"] == 0 for p in result["points"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

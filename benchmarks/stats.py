@@ -1,0 +1,108 @@
+"""Summary statistics of one load point: latency percentiles, throughput, cache share, errors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+from client import RequestRecord
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+@dataclass(frozen=True)
+class Dist:
+    """A latency distribution in seconds (NaN when there were no samples)."""
+
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    p95: float
+    p99: float
+    min: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Dist:
+        v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=np.float64)
+        if v.size == 0:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan, nan, nan, nan)
+        p = np.percentile(v, PERCENTILES)  # linear interpolation, as numpy/guidellm/vLLM's bench do
+        return cls(int(v.size), float(v.mean()), *(float(x) for x in p), float(v.min()), float(v.max()))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    return float(np.percentile(v, q)) if v.size else float("nan")
+
+
+@dataclass(frozen=True)
+class Summary:
+    num_requests: int
+    num_ok: int
+    num_errors: int
+    duration_s: float
+    request_throughput: float  # completed requests / s
+    output_throughput: float  # output tokens / s
+    total_token_throughput: float  # (prompt + output) tokens / s
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    cached_token_share: float  # cached prompt tokens / prompt tokens (NaN if the server never said)
+    ttft: Dist
+    itl: Dist
+    tpot: Dist
+    e2e: Dist
+    errors: list[str]  # up to 5 distinct messages
+    output_len_exact: bool  # every ok request produced exactly the requested tokens
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cached = [r.cached_tokens for r in ok if r.prompt_tokens is not None and r.cached_tokens is not None]
+    share = sum(cached) / sum(prompt) if cached and sum(prompt) else float("nan")
+    dur = duration_s if duration_s > 0 else float("nan")
+    itls = [x for r in ok for x in r.itls]
+    errors = list(dict.fromkeys(r.error for r in records if r.error))[:5]
+    return Summary(
+        num_requests=len(records),
+        num_ok=len(ok),
+        num_errors=len(records) - len(ok),
+        duration_s=duration_s,
+        request_throughput=len(ok) / dur,
+        output_throughput=out_tokens / dur,
+        total_token_throughput=(out_tokens + sum(prompt)) / dur,
+        mean_prompt_tokens=float(np.mean(prompt)) if prompt else float("nan"),
+        mean_output_tokens=out_tokens / len(ok) if ok else float("nan"),
+        cached_token_share=share,
+        ttft=Dist.of([r.ttft for r in ok]),
+        itl=Dist.of(itls),
+        tpot=Dist.of([r.tpot for r in ok]),
+        e2e=Dist.of([r.e2e for r in ok]),
+        errors=[e for e in errors if e],
+        output_len_exact=bool(ok) and all(r.output_tokens == r.requested_output_tokens for r in ok),
+    )
+
+
+def fmt_ms(x: float) -> str:
+    return "—" if not math.isfinite(x) else f"{1000 * x:,.0f}" if x >= 0.1 else f"{1000 * x:,.1f}"
+
+
+def one_line(label: str, s: Summary) -> str:
+    """A compact console line for one load point."""
+    share = "—" if not math.isfinite(s.cached_token_share) else f"{100 * s.cached_token_share:.0f}%"
+    return (
+        f"{label:>12}  ok {s.num_ok}/{s.num_requests}  {s.request_throughput:6.2f} req/s  "
+        f"{s.output_throughput:7.1f} tok/s  TTFT p50/p95 {fmt_ms(s.ttft.p50)}/{fmt_ms(s.ttft.p95)} ms  "
+        f"ITL p50/p95 {fmt_ms(s.itl.p50)}/{fmt_ms(s.itl.p95)} ms  TPOT p50 {fmt_ms(s.tpot.p50)} ms  "
+        f"e2e p50 {fmt_ms(s.e2e.p50)} ms  cached {share}"
+    )

@@ -1,0 +1,567 @@
+"""The benchmark harness's pure parts (stats, SSE parsing, arrivals, payloads, roofline arithmetic,
+the comparison table), its client against a fake streaming server, and one slow smoke run of
+serve_bench against our real server with the tiny checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import itertools
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import client as C
+import compare
+import roofline as R
+import servers
+import stats as S
+import workloads as W
+
+# ---- stats ------------------------------------------------------------------------------------------
+
+
+def test_dist_percentiles_match_numpy_linear_interpolation() -> None:
+    d = S.Dist.of([float(x) for x in range(1, 101)])
+    assert d.n == 100
+    assert d.mean == pytest.approx(50.5)
+    assert d.p50 == pytest.approx(50.5)
+    assert d.p90 == pytest.approx(90.1)
+    assert d.p99 == pytest.approx(99.01)
+    assert (d.min, d.max) == (1.0, 100.0)
+
+
+def test_dist_ignores_missing_values_and_is_nan_when_empty() -> None:
+    assert S.Dist.of([None, 2.0, float("nan"), 4.0]).mean == pytest.approx(3.0)  # type: ignore[list-item]
+    empty = S.Dist.of([])
+    assert empty.n == 0 and math.isnan(empty.p50)
+
+
+def _record(
+    i: int,
+    start: float,
+    chunks: list[float],
+    tokens: int,
+    *,
+    prompt: int = 100,
+    cached: int = 0,
+    error: str | None = None,
+    requested: int | None = None,
+) -> C.RequestRecord:
+    r = C.RequestRecord(i, "none", requested if requested is not None else tokens, start_s=start)
+    r.chunk_times = chunks
+    r.first_token_s = chunks[0] if chunks else None
+    r.end_s = chunks[-1] if chunks else start + 1
+    r.output_tokens = tokens
+    r.prompt_tokens, r.cached_tokens, r.usage_reported = prompt, cached, True
+    r.error = error
+    return r
+
+
+def test_summary_throughput_latency_and_cache_share() -> None:
+    records = [
+        _record(0, 0.0, [0.5, 0.6, 0.7, 0.8], 4, cached=50),
+        _record(1, 0.0, [1.0, 1.2, 1.4, 1.6], 4, cached=0),
+        _record(2, 0.0, [], 0, error="HTTP 500: boom"),
+    ]
+    s = S.summarize(records, duration_s=2.0)
+    assert (s.num_requests, s.num_ok, s.num_errors) == (3, 2, 1)
+    assert s.request_throughput == pytest.approx(1.0)
+    assert s.output_throughput == pytest.approx(4.0)
+    assert s.cached_token_share == pytest.approx(50 / 200)
+    assert s.ttft.p50 == pytest.approx(0.75)
+    assert s.tpot.mean == pytest.approx((0.1 + 0.2) / 2)  # (e2e - ttft) / (n - 1)
+    assert s.itl.n == 6 and s.itl.max == pytest.approx(0.2)
+    assert s.errors == ["HTTP 500: boom"]
+    assert s.output_len_exact
+
+
+def test_summary_flags_outputs_shorter_than_requested() -> None:
+    s = S.summarize([_record(0, 0.0, [0.1, 0.2], 2, requested=8)], 1.0)
+    assert not s.output_len_exact
+
+
+def test_itl_spreads_multi_token_chunks() -> None:
+    r = _record(0, 0.0, [1.0, 1.4, 1.8], 5)  # 4 tokens after the first, in 2 gaps
+    assert r.itls == pytest.approx([0.2, 0.2, 0.2, 0.2])
+    assert r.decode_itl == pytest.approx(0.2)
+    assert r.tpot == pytest.approx(0.2)
+
+
+# ---- SSE ---------------------------------------------------------------------------------------------
+
+
+def test_sse_parser_events_comments_done() -> None:
+    chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+    lines = [": keep-alive", "", f"data: {json.dumps(chunk)}", "", "event: ignored", "data:[DONE]", ""]
+    events = list(C.parse_sse_lines(lines))
+    assert len(events) == 2
+    assert events[0].data == chunk and not events[0].done
+    assert events[1].done
+    assert C.chunk_content(events[0].data) == "Hi"
+
+
+def test_chunk_content_variants() -> None:
+    assert C.chunk_content({"choices": [{"delta": {"role": "assistant"}}]}) == ""
+    assert C.chunk_content({"choices": [{"delta": {"reasoning_content": "hmm"}}]}) == "hmm"
+    assert C.chunk_content({"choices": [{"text": "abc"}]}) == "abc"
+    assert C.chunk_content({"choices": [], "usage": {"completion_tokens": 3}}) == ""
+
+
+def test_usage_chunk_and_stream_error_are_recorded() -> None:
+    r = C.RequestRecord(0, "none", 3)
+    C._apply_chunk(r, {"choices": [{"delta": {"content": "a"}}]}, 0.1)
+    C._apply_chunk(
+        r,
+        {
+            "choices": [],
+            "usage": {"completion_tokens": 3, "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}},
+        },
+        0.2,
+    )
+    assert (r.output_tokens, r.prompt_tokens, r.cached_tokens, r.first_token_s) == (3, 40, 32, 0.1)
+    C._apply_chunk(r, {"error": {"message": "bad image"}}, 0.3)
+    assert r.error and "bad image" in r.error
+
+
+# ---- arrivals ----------------------------------------------------------------------------------------
+
+
+def test_poisson_arrivals_deterministic_and_rate() -> None:
+    a = C.poisson_arrivals(4.0, 2000, seed=7)
+    assert a == C.poisson_arrivals(4.0, 2000, seed=7)
+    assert a != C.poisson_arrivals(4.0, 2000, seed=8)
+    assert a[0] == 0.0 and all(x <= y for x, y in itertools.pairwise(a))
+    assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
+    with pytest.raises(ValueError):
+        C.poisson_arrivals(0.0, 3, 0)
+
+
+# ---- workloads ---------------------------------------------------------------------------------------
+
+
+class WordTokenizer:
+    """One token per whitespace-separated word: enough to test length calibration."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [hash(w) % 1000 for w in text.split()]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(f"w{i}" for i in ids)
+
+
+def _user_parts(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    content = payload["messages"][-1]["content"]
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
+def _image(part: dict[str, Any]) -> Any:
+    from PIL import Image
+
+    url = part["image_url"]["url"]
+    assert url.startswith("data:image/jpeg;base64,")
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+
+def test_requests_are_deterministic_valid_openai_payloads() -> None:
+    from openai.types.chat.completion_create_params import CompletionCreateParamsStreaming
+
+    allowed = set(CompletionCreateParamsStreaming.__annotations__)
+    for name in W.WORKLOAD_NAMES:
+        f1 = W.RequestFactory(W.workload_spec(name, shared_prefix_tokens=50), "m", "vlm-engine", seed=3)
+        f2 = W.RequestFactory(W.workload_spec(name, shared_prefix_tokens=50), "m", "vlm-engine", seed=3)
+        for i in range(4):
+            r = f1.build(i)
+            assert r.payload == f2.build(i).payload
+            assert set(r.payload) - {"ignore_eos"} <= allowed
+            assert r.payload["stream"] is True and r.payload["stream_options"] == {"include_usage": True}
+            assert r.payload["ignore_eos"] is True and r.payload["max_tokens"] == r.output_tokens
+            lo, hi = f1.spec.output_tokens
+            assert lo <= r.output_tokens <= hi
+            assert [m["role"] for m in r.payload["messages"]] == (
+                ["system", "user"] if f1.spec.shared_prefix_tokens else ["user"]
+            )
+            json.dumps(r.payload)
+
+
+def test_our_server_accepts_the_payloads() -> None:
+    protocol = pytest.importorskip("vlm_engine.server.protocol")
+    for name in W.WORKLOAD_NAMES:
+        r = W.RequestFactory(W.workload_spec(name, shared_prefix_tokens=20), "m", "vlm-engine").build(0)
+        parsed = protocol.parse_chat(r.payload, "m", 16, 8192, 8)
+        assert parsed.stream and parsed.include_usage
+        assert parsed.sampling.ignore_eos and parsed.sampling.max_tokens == r.output_tokens
+
+
+def test_data_workload_sends_a_different_image_per_request_and_chatbot_shares_one() -> None:
+    data = W.RequestFactory(W.workload_spec("data"), None)
+    media = [data.build(i).media for i in range(6)]
+    assert len(set(media)) == 6
+    img = _image(_user_parts(data.build(0).payload)[0])
+    assert img.size == (320, 240) and img.format == "JPEG"
+    assert "JSON" in _user_parts(data.build(0).payload)[-1]["text"]
+    chat = W.RequestFactory(W.workload_spec("chatbot", shared_image_prob=1.0), None)
+    assert {chat.build(i).media for i in range(5)} == {"image:1"}
+    # Unique images never collide across workloads (no spurious cache hits between them).
+    other = W.RequestFactory(W.workload_spec("chatbot", shared_image_prob=0.0), None)
+    assert not {other.build(i).media for i in range(6)} & set(media)
+
+
+def test_text_only_drops_media_and_keeps_plain_string_content() -> None:
+    r = W.RequestFactory(W.text_only(W.workload_spec("data")), None).build(0)
+    assert r.media == "none" and isinstance(r.payload["messages"][-1]["content"], str)
+
+
+def test_flavor_fields() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "ignore_eos" in W.chat_payload(msgs, 8, "m", "vllm")
+    peer = W.chat_payload(msgs, 8, "m", "transformers")
+    assert "ignore_eos" not in peer
+    assert json.loads(peer["generation_config"]) == {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    plain = W.chat_payload(msgs, 8, None, "openai")
+    assert "ignore_eos" not in plain and "generation_config" not in plain and "model" not in plain
+    assert "generation_config" in W.sent_fields("transformers")
+    with pytest.raises(ValueError):
+        W.RequestFactory(W.workload_spec("data"), None, flavor="nope")
+
+
+def test_shared_prefix_has_the_requested_token_count() -> None:
+    tok = WordTokenizer()
+    text = W.text_of_tokens(2000, 1, tok)
+    assert len(tok.encode(text)) == 2000
+    f = W.RequestFactory(W.workload_spec("chatbot", shared_prefix_tokens=300), None, tokenizer=tok)
+    assert len(tok.encode(f.build(0).payload["messages"][0]["content"])) == 300
+    assert f.build(0).payload["messages"][0] == f.build(5).payload["messages"][0]
+    assert W.text_of_tokens(0, 1, tok) == ""
+    assert 200 <= len(W.text_of_tokens(100, 1, None)) <= 400  # ~4 chars per token without a tokenizer
+
+
+def test_video_clip_is_a_decodable_mp4() -> None:
+    av = pytest.importorskip("av")
+    data = W.video_mp4(1, 3, 64, 48)
+    with av.open(io.BytesIO(data)) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 3 and (frames[0].width, frames[0].height) == (64, 48)
+
+
+def test_unknown_workload_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        W.workload_spec("batch")
+
+
+# ---- roofline ------------------------------------------------------------------------------------------
+
+
+def _write_checkpoint(path: Path, tensors: dict[str, tuple[str, list[int]]], config: dict[str, Any]) -> Path:
+    """A header-only safetensors file is enough: the roofline reads shapes, never data."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = math.prod(shape) * {"F32": 4, "BF16": 2}[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + bytes(offset))
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_model_cost_counts_decoder_head_and_attention(tmp_path: Path) -> None:
+    _write_checkpoint(
+        tmp_path,
+        {
+            "model.embed_tokens.weight": ("F32", [100, 8]),
+            "model.layers.0.self_attn.q_proj.weight": ("F32", [8, 8]),
+            "model.layers.0.mlp.up_proj.weight": ("F32", [16, 8]),
+            "model.visual.blocks.0.attn.qkv.weight": ("F32", [24, 8]),
+        },
+        {
+            "num_attention_heads": 2,
+            "hidden_size": 8,
+            "num_hidden_layers": 1,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "vision_config": {},
+        },
+    )
+    cost = R.ModelCost.from_dir(tmp_path)
+    assert cost.decoder_params == 64 + 128
+    assert cost.lm_head_params == 800  # tied: the head multiplies by the embedding matrix
+    assert cost.vision_params == 192
+    assert cost.head_dim == 4
+    assert cost.flops_per_token(0) == 2 * (192 + 800)
+    assert cost.flops_per_token(10) == 2 * (192 + 800) + 4 * 1 * 2 * 4 * 10
+    assert cost.kv_bytes_per_token(2) == 2 * 1 * 1 * 4 * 2
+    assert cost.bytes_per_step(batch=3, context=10, dtype_bytes=2) == (192 + 800) * 2 + 3 * 10 * 16
+
+
+def test_roofline_fractions_and_line(tmp_path: Path) -> None:
+    machine = R.MachineCeilings(100e9, 200e9, 20e9, 30e9, 2, "cpu", "t", 2048)
+    cost = R.ModelCost(
+        decoder_params=10**8,
+        lm_head_params=0,
+        embed_params=0,
+        vision_params=0,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=1,
+    )
+    r = R.roofline(cost, machine, batch=64, context=0, step_s=0.1, dtype="bfloat16", basis="test")
+    assert r.achieved_flops == pytest.approx(64 * 2e8 / 0.1)
+    assert r.flops_fraction == pytest.approx(0.64)
+    assert r.bandwidth_fraction == pytest.approx(2e8 / 0.1 / 30e9)  # bf16 weights, best of read/copy
+    assert "64% of matmul FLOP/s" in r.line()
+    assert R.roofline(cost, machine, 1, 0, 0.1, "float32", "x").flops_fraction == pytest.approx(2e8 / 0.1 / 100e9)
+    assert "n/a" in R.roofline_line(None, 1, 1, 0.1, "float32", "x", machine)
+    assert "n/a" in R.roofline_line(tmp_path, 1, 1, 0.1, "float32", "x", machine)  # no checkpoint there
+
+
+def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_measure(n: int = 2048, repeats: int = 5) -> R.MachineCeilings:
+        import torch
+
+        calls.append(1)
+        return R.MachineCeilings(1e9, 2e9, 3e9, 4e9, torch.get_num_threads(), R.cpu_name(), torch.__version__, n)
+
+    monkeypatch.setattr(R, "measure_machine", fake_measure)
+    path = tmp_path / "machine.json"
+    a = R.machine_ceilings(path=path)
+    b = R.machine_ceilings(path=path)
+    assert a == b and len(calls) == 1
+    R.machine_ceilings(refresh=True, path=path)
+    assert len(calls) == 2
+
+
+# ---- comparison table ---------------------------------------------------------------------------------
+
+
+def _point(server: str, workload: str, value: float, rps: float, ttft: float) -> dict[str, Any]:
+    s = S.summarize([_record(0, 0.0, [ttft, ttft + 0.1], 2)], 1.0).to_json()
+    s["request_throughput"] = rps
+    return {
+        "server": server,
+        "workload": workload,
+        "mode": "closed",
+        "value": value,
+        "label": f"c={value}",
+        "summary": s,
+    }
+
+
+def test_aggregate_takes_medians_over_reps() -> None:
+    runs = [{"points": [_point("ours", "data", 16, r, 0.1)]} for r in (1.0, 3.0, 2.0)]
+    (agg,) = compare.aggregate(runs)
+    assert agg["reps"] == 3 and agg["summary"]["request_throughput"] == 2.0
+
+
+def test_table_and_targets() -> None:
+    points = [_point("ours", "data", 16, 1.6, 0.2), _point("transformers", "data", 16, 0.5, 0.8)]
+    rows = compare.table_rows(points, "ours", "transformers")
+    assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|")
+    assert "**3.20x**" in rows[2] and "**4.00x**" in rows[2]  # req/s ratio, TTFT speed-up
+    lines = compare.target_lines(points, "ours", "transformers", [])
+    assert "PASS" in lines[0]
+    points[0]["summary"]["request_throughput"] = 1.0
+    assert "MISS" in compare.target_lines(points, "ours", "transformers", [])[0]
+    machine = R.MachineCeilings(100e9, 200e9, 20e9, 30e9, 2, "cpu", "t", 2048)
+    cost = R.ModelCost(10**8, 0, 0, 0, 1, 1, 1, 1)
+    fast = R.roofline(cost, machine, 64, 0, 0.1, "bfloat16", "forward_s").__dict__
+    decode = [
+        {"model": "m", "engine": {"batch": 64, "model_dir": "/x/m", "dtype": "bfloat16"}, "forward_s": fast},
+        {"model": "broken", "error": "boom"},
+    ]
+    lines = compare.target_lines(points, "ours", "transformers", decode)
+    assert any("64% of matmul FLOP/s (target >= 60%): **PASS**" in line for line in lines)
+    assert any("failed: boom" in line for line in lines)
+
+
+def test_plots_write_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import plots
+
+    points = [_point("ours", "data", c, c, 0.1 * c) for c in (1, 4)] + [
+        _point("peer", "data", c, 0.5, 0.5) for c in (1, 4)
+    ]
+    made = plots.plot_all(points, tmp_path)
+    assert {p.name for p in made} == {"latency_vs_concurrency.png", "throughput_vs_concurrency.png"}
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in made)
+
+
+def test_server_commands() -> None:
+    ours = servers.ServerSpec("ours", "/m", "bfloat16", ("--max-num-seqs", "32"), kv_tokens=4096).command(8000)
+    assert (
+        ours[1:4] == ["-m", "vlm_engine.cli", "serve"]
+        and "--kv-cache-tokens" in ours
+        and ours[-2:] == ["--max-num-seqs", "32"]
+    )
+    assert servers.ServerSpec("ours", "/m").flavor == "vlm-engine"
+    peer = servers.ServerSpec("transformers", "/m", kv_tokens=1000)
+    assert peer.flavor == "transformers"
+    try:
+        cmd = peer.command(8001)
+    except FileNotFoundError:
+        pytest.skip("transformers CLI not installed")
+    assert "--continuous-batching" in cmd and cmd[cmd.index("--cb-num-blocks") + 1] == "4"
+
+
+# ---- the client against a fake streaming server -----------------------------------------------------------
+
+
+async def _fake_server(tokens: int, delay: float, state: dict[str, int]) -> asyncio.AbstractServer:
+    """A minimal HTTP/1.1 server streaming `tokens` SSE chunks per request, then usage + [DONE]."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
+            body = json.loads(await reader.readexactly(length))
+            state["active"] += 1
+            state["peak"] = max(state["peak"], state["active"])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+
+            def send(text: str) -> None:
+                data = text.encode()
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+
+            for i in range(tokens):
+                await asyncio.sleep(delay)
+                send(f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': f't{i}'}}]})}\n\n")
+                await writer.drain()
+            usage = {"prompt_tokens": 10, "completion_tokens": tokens, "prompt_tokens_details": {"cached_tokens": 4}}
+            send(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n")
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            state["active"] -= 1
+            state["requests"] += 1
+            assert body["stream"] is True
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def _run_against_fake(
+    point: C.LoadPoint, tokens: int = 4, delay: float = 0.01
+) -> tuple[list[C.RequestRecord], float, dict[str, int]]:
+    state = {"active": 0, "peak": 0, "requests": 0}
+    factory = W.RequestFactory(W.text_only(W.workload_spec("data", output_tokens=(tokens, tokens))), "m")
+
+    async def main() -> tuple[list[C.RequestRecord], float]:
+        server = await _fake_server(tokens, delay, state)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await C.run_point(f"http://127.0.0.1:{port}/v1/chat/completions", factory.build, point, seed=1)
+
+    records, duration = asyncio.run(main())
+    return records, duration, state
+
+
+def test_closed_loop_keeps_concurrency_and_records_everything() -> None:
+    records, duration, state = _run_against_fake(C.LoadPoint("closed", 3, 9, 60.0, 30.0))
+    assert [r.index for r in records] == list(range(9))
+    assert state["requests"] == 9 and state["peak"] == 3
+    s = S.summarize(records, duration)
+    assert s.num_ok == 9 and s.output_len_exact and s.cached_token_share == pytest.approx(0.4)
+    assert all(r.ttft is not None and r.ttft >= 0.01 for r in records)
+    assert s.itl.p50 == pytest.approx(0.01, abs=0.02)
+
+
+def test_open_loop_follows_the_poisson_schedule() -> None:
+    records, _, state = _run_against_fake(C.LoadPoint("open", 50.0, 10, 60.0, 30.0), tokens=2, delay=0.001)
+    expected = C.poisson_arrivals(50.0, 10, seed=1)
+    assert state["requests"] == 10
+    assert [r.scheduled_s for r in records] == pytest.approx(expected)
+    assert all(r.start_s >= r.scheduled_s - 1e-3 for r in records)
+
+
+def test_connection_errors_become_records_not_exceptions() -> None:
+    factory = W.RequestFactory(W.text_only(W.workload_spec("data")), "m")
+    point = C.LoadPoint("closed", 2, 2, 10.0, 5.0)
+    records, _ = asyncio.run(C.run_point("http://127.0.0.1:9/v1/chat/completions", factory.build, point))
+    assert len(records) == 2 and all(r.error for r in records)
+
+
+# ---- smoke: serve_bench against our server --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_serve_bench_smoke_against_our_server(tmp_path: Path) -> None:
+    pytest.importorskip("vlm_engine.server.launcher")
+    import serve_bench
+
+    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+
+    tiny = str(cached_qwen2_vl("tiny"))
+    args = [
+        "--start",
+        "ours",
+        "--model-dir",
+        tiny,
+        "--workload",
+        "data,chatbot",
+        "--concurrency",
+        "2",
+        "--num-requests",
+        "3",
+        "--shared-prefix-tokens",
+        "64",
+        "--output-tokens",
+        "4",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+    ]
+    try:
+        code = serve_bench.main(args)
+    except (RuntimeError, TimeoutError) as exc:  # the server could not start here
+        pytest.skip(f"our server did not start: {exc}"[:500])
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert code == 0
+    assert result["flavor"] == "vlm-engine" and "ignore_eos" in result["fields_sent"]
+    for p in result["points"]:
+        s = p["summary"]
+        assert s["num_ok"] == 3 and s["output_len_exact"]
+        assert all(r["prompt_tokens"] and r["media"].startswith("image:") for r in p["records"])
+    chat = next(p for p in result["points"] if p["workload"] == "chatbot")
+    assert chat["summary"]["cached_token_share"] > 0  # the shared prefix hit the prefix cache
+    assert (tmp_path / "latency_vs_concurrency.png").exists()
+
+
+class _HangingSpec(servers.ServerSpec):
+    """A 'server' that never becomes healthy and has a child of its own."""
+
+    def command(self, port: int) -> list[str]:
+        code = "import subprocess, time; subprocess.Popen(['sleep', '61.234']); time.sleep(60.5)"
+        return [sys.executable, "-c", code]
+
+
+def test_managed_server_kills_its_whole_group_when_startup_fails(tmp_path: Path) -> None:
+    import os
+
+    server = servers.ManagedServer(_HangingSpec("ours", "/none"), tmp_path, startup_timeout_s=1.5, stop_grace_s=2.0)
+    with pytest.raises(TimeoutError):
+        server.start()
+    assert server.proc is None
+    # No process of the group survives: the leader and its `sleep` child are gone.
+    out = os.popen("ps -eo pgid,args").read()
+    assert "time.sleep(60.5)" not in out
+    assert not any(line.strip().endswith("sleep 61.234") for line in out.splitlines())
+
+
+def test_roofline_flags_impossible_step_times() -> None:
+    machine = R.MachineCeilings(100e9, 200e9, 20e9, 30e9, 2, "cpu", "t", 2048)
+    cost = R.ModelCost(10**8, 0, 0, 0, 1, 1, 1, 1)
+    assert "IMPLAUSIBLE" in R.roofline(cost, machine, 1, 0, 1e-4, "float32", "client").line()
+    assert "IMPLAUSIBLE" not in R.roofline(cost, machine, 1, 0, 0.1, "float32", "client").line()
