@@ -1,11 +1,13 @@
 """The `vlm-engine` command line. Each subcommand registers itself in `COMMANDS`.
 
-    vlm-engine serve [--model M] [--host H] [--port P] [--api-key K] [--preprocess-workers N] ...
+vlm-engine serve [--model M] [--host H] [--port P] [--api-key K] [--preprocess-workers N] ...
+vlm-engine bench [serve_bench.py options]   (source checkout only: runs benchmarks/serve_bench.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -40,32 +42,53 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     d = ServerConfig()
     p = sub.add_parser("serve", help="serve a model over the OpenAI-compatible HTTP API")
     p.add_argument("model_pos", nargs="?", metavar="MODEL", help="same as --model")
-    p.add_argument("--model", default=None, help=f"local directory, .gguf file, hub id, or the embedded {DEFAULT_MODEL!r}")
+    p.add_argument(
+        "--model", default=None, help=f"local directory, .gguf file, hub id, or the embedded {DEFAULT_MODEL!r}"
+    )
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--api-key", default=os.environ.get("VLM_ENGINE_API_KEY"), help="require 'Authorization: Bearer KEY' (env VLM_ENGINE_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("VLM_ENGINE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (env VLM_ENGINE_API_KEY)",
+    )
     p.add_argument("--preprocess-workers", type=_positive_int, default=d.preprocess_workers)
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default=d.device)
     g.add_argument("--max-model-len", type=_positive_int, default=None)
-    g.add_argument("--kv-cache-tokens", type=_positive_int, default=None, help="KV pool size (default: from free memory)")
+    g.add_argument(
+        "--kv-cache-tokens", type=_positive_int, default=None, help="KV pool size (default: from free memory)"
+    )
     g.add_argument("--max-num-seqs", type=_positive_int, default=d.max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
     g.add_argument("--no-prefix-cache", action="store_true")
     g.add_argument("--attention-backend", default=d.attention_backend)
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     a = p.add_argument_group("admission and media")
-    a.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests, help="beyond this many waiting requests, answer 503")
-    a.add_argument("--limit-mm-per-prompt", type=_mm_limit, default=d.limit_mm_per_prompt, help="images per prompt: 8, image=8 or '{\"image\": 8}'")
+    a.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="beyond this many waiting requests, answer 503",
+    )
+    a.add_argument(
+        "--limit-mm-per-prompt",
+        type=_mm_limit,
+        default=d.limit_mm_per_prompt,
+        help="images per prompt: 8, image=8 or '{\"image\": 8}'",
+    )
     a.add_argument("--allowed-local-media-path", default=None, help="serve local image files from under this directory")
     a.add_argument("--max-image-bytes", type=_positive_int, default=d.max_image_bytes)
     a.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s)
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
     a.add_argument("--max-n", type=_positive_int, default=d.max_n, help="most choices per request")
+    a.add_argument("--max-request-bytes", type=_positive_int, default=d.max_request_bytes)
     o = p.add_argument_group("process")
-    o.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM")
+    o.add_argument(
+        "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
+    )
     o.add_argument("--side-process-nice", type=int, default=d.side_process_nice)
     o.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=run_serve)
@@ -98,19 +121,57 @@ def run_serve(args: argparse.Namespace) -> int:
         media_fetch_timeout_s=args.media_fetch_timeout,
         max_redirects=args.max_redirects,
         max_n=args.max_n,
+        max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         side_process_nice=args.side_process_nice,
         log_level=args.log_level,
     )
-    return serve(config)
+    code = serve(config)
+    # Skip the interpreter's teardown of torch & co. (seconds): every child is already reaped.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # Subcommands: each adds its parser (and `func`) to the subparsers.
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser]
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    # Every argument goes to benchmarks/serve_bench.py untouched: no prefix chars here, so
+    # `--base-url ...` and `--help` are not parsed by this parser.
+    p = sub.add_parser(
+        "bench",
+        help="benchmark an OpenAI-compatible server (benchmarks/serve_bench.py)",
+        add_help=False,
+        prefix_chars="\0",
+    )
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    # The package never imports `benchmarks`; the script is run by path from a source checkout.
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_bench.py"
+    if not script.exists():
+        print(f"vlm-engine bench needs a source checkout ({script} not found)", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.bench_args]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser, add_bench_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vlm-engine", description="A small inference engine for vision-language models")
+    parser = argparse.ArgumentParser(
+        prog="vlm-engine", description="A small inference engine for vision-language models"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from vlm_engine.sampling_params import SamplingParams
+
 
 class Message(msgspec.Struct, tag=True, tag_field="msg"):
     """Base of every top-level message: the class name travels as the `msg` tag."""
@@ -222,9 +223,9 @@ class PreprocessDone(Message):
     worker: int
 
 
-CoreInbound = Union[EngineRequest, Abort]
-DetokInbound = Union[CoreReady, EngineOutputs]
-ApiInbound = Union[CoreReady, ApiOutputs, WorkerReady, PreprocessDone, RequestError]
+CoreInbound = EngineRequest | Abort
+DetokInbound = CoreReady | EngineOutputs
+ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | RequestError
 WorkerInbound = PreprocessRequest
 
 

@@ -50,7 +50,9 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
-def _error_response(status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> JSONResponse:
+def _error_response(
+    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> JSONResponse:
     return JSONResponse(P.error_body(message, type, param, code), status_code=status)
 
 
@@ -160,9 +162,12 @@ class Generation:
     # ---- non-streaming -------------------------------------------------------------------------
 
     async def _collect(self, first: Any) -> Response:
+        queue = self.handle.queue
         item = first
         while True:
             error = self._apply(item)
+            while error is None and not queue.empty():  # everything already here, without awaiting
+                error = self._apply(queue.get_nowait())
             if error is not None:
                 self.abort()
                 return _from_engine_error(error)
@@ -175,13 +180,23 @@ class Generation:
         usage = _usage(self.choices, self.parsed.n)
         if self.parsed.kind == "chat":
             choices = [
-                P.chat_choice(i, "".join(c.text), c.finish_reason or "stop", P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None)
+                P.chat_choice(
+                    i,
+                    "".join(c.text),
+                    c.finish_reason or "stop",
+                    P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None,
+                )
                 for i, c in enumerate(self.choices)
             ]
             body = P.chat_completion(self.request_id, self.created, self.model, choices, usage)
         else:
             choices = [
-                P.completion_choice(i, "".join(c.text), c.finish_reason or "stop", P.completion_logprobs(c.logprobs, 0) if self.parsed.logprobs else None)
+                P.completion_choice(
+                    i,
+                    "".join(c.text),
+                    c.finish_reason or "stop",
+                    P.completion_logprobs(c.logprobs, 0) if self.parsed.logprobs else None,
+                )
                 for i, c in enumerate(self.choices)
             ]
             body = P.completion(self.request_id, self.created, self.model, choices, usage)
@@ -228,7 +243,11 @@ class Generation:
         try:
             role = {"role": "assistant", "content": "", "refusal": None}
             yield b"".join(
-                _sse(P.chat_chunk(self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage))
+                _sse(
+                    P.chat_chunk(
+                        self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage
+                    )
+                )
                 for i in range(p.num_choices)
             )
             async for batch in self._batches(first):
@@ -241,7 +260,9 @@ class Generation:
                     logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
                     choice = P.chat_chunk_choice(index, delta, d.finish_reason if d.finished else None, logprobs)
                     usage = self._usage_now() if p.continuous_usage else None
-                    out.append(_sse(P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage)))
+                    out.append(
+                        _sse(P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage))
+                    )
                 if error is not None:
                     self.abort()
                     out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
@@ -271,7 +292,9 @@ class Generation:
                     self.choices[index].text_len = offsets[index] + len(d.text)
                     choice = P.completion_choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
                     usage = self._usage_now() if p.continuous_usage else None
-                    out.append(_sse(P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage)))
+                    out.append(
+                        _sse(P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage))
+                    )
                 if error is not None:
                     self.abort()
                     out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
@@ -317,6 +340,9 @@ def build_app(state: ServerState) -> FastAPI:
             raise P.ApiError(503, "the model is still loading", type="server_error")
 
     async def read_json(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
+            raise P.ApiError(413, f"the request body is larger than {config.max_request_bytes} bytes")
         body = await request.body()
         try:
             return msgspec.json.decode(body)
@@ -329,11 +355,15 @@ def build_app(state: ServerState) -> FastAPI:
         check_serving()
         assert client.core_info is not None
         if kind == "chat":
-            parsed = P.parse_chat(body, config.model_name, config.max_n, client.core_info.max_model_len, config.limit_mm_per_prompt)
+            parsed = P.parse_chat(
+                body, config.model_name, config.max_n, client.core_info.max_model_len, config.limit_mm_per_prompt
+            )
         else:
             parsed = P.parse_completion(body, config.model_name, config.max_n)
         if client.num_waiting + parsed.num_choices > config.max_waiting_requests:
-            raise P.ApiError(503, "too many requests are waiting; try again later", type="server_error", code="server_overloaded")
+            raise P.ApiError(
+                503, "too many requests are waiting; try again later", type="server_error", code="server_overloaded"
+            )
         request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         return await Generation(state, request, parsed, request_id).respond()
 

@@ -9,7 +9,6 @@ request (the core then frees its pages); tokens the core produced in between are
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,7 @@ import zmq
 from vlm_engine import ipc
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.procs import init_child, parent_alive
+from vlm_engine.server.procs import init_child, serve_forever
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +34,8 @@ def load_tokenizer(model: str) -> Any:
 def run_detokenizer(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
     init_child("vlm-detok", config.log_level, side=True, nice=config.side_process_nice)
-    parent = os.getppid()
     proc = DetokenizerProcess(load_tokenizer(config.model), paths)
-    try:
-        proc.run(lambda: parent_alive(parent))
-    finally:
-        proc.close()
+    serve_forever("detokenizer", proc.run, proc.close)
 
 
 @dataclass

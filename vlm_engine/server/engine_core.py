@@ -28,7 +28,7 @@ from vlm_engine.inputs import MediaInput, ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import Request, RequestRejected, RequestStatus
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.procs import init_child, parent_alive
+from vlm_engine.server.procs import init_child, serve_forever
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +39,8 @@ _IDLE_POLL_MS = 500  # idle wake-up period, to notice a dead parent
 def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
     init_child("vlm-core", config.log_level, side=False)
-    parent = os.getppid()
     core = EngineCore(config, paths)
-    try:
-        core.run(lambda: parent_alive(parent))
-    finally:
-        core.close()
+    serve_forever("engine core", core.run, core.close)
 
 
 def build_prompt(msg: ipc.EngineRequest, frames: list[Any]) -> ProcessedPrompt:
@@ -194,6 +190,7 @@ class EngineCore:
         try:
             sampled = self.engine.runner.execute(plan)
         except Exception as exc:
+            logger.exception("forward pass failed for %d requests", len(plan.chunks))
             self._fail_batch(plan, exc)
             return
         t2 = time.perf_counter()
@@ -232,7 +229,6 @@ class EngineCore:
 
     def _fail_batch(self, plan: Any, exc: Exception) -> None:
         """The forward pass failed: fail this batch's requests (freeing their pages), keep serving."""
-        logger.exception("forward pass failed for %d requests", len(plan.chunks))
         for chunk in plan.chunks:
             request = chunk.request
             if request.status.finished:

@@ -1,10 +1,10 @@
 """`vlm-engine serve`: start the child processes, serve HTTP, watch the children, shut down cleanly.
 
 Process layout (all children use the `spawn` start method):
-    api server (this process: uvicorn + FastAPI, nice 19)
+    api server (this process: uvicorn + FastAPI, nice 10; never imports torch)
     ├── vlm-core    engine core: scheduler + model runner (normal priority, all torch threads)
-    ├── vlm-detok   detokenizer (nice 19, 1 torch thread)
-    └── vlm-prep-i  preprocess workers (nice 19, 1 torch thread each)
+    ├── vlm-detok   detokenizer (nice 10, 1 torch thread)
+    └── vlm-prep-i  preprocess workers (nice 10, 1 torch thread each)
 
 Lifecycle:
 - /health is 503 until the core (after warm-up) and every worker have reported ready.
@@ -36,15 +36,13 @@ import uvicorn
 from vlm_engine import ipc
 from vlm_engine.server.api import ServerState, build_app
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.detokenizer_proc import run_detokenizer
 from vlm_engine.server.engine_client import EngineClient
-from vlm_engine.server.engine_core import run_engine_core
-from vlm_engine.server.preprocess_worker import run_preprocess_worker
 from vlm_engine.server.procs import ChildGroup, lower_priority, set_process_name, setup_logging
 
 logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.2
+_FAIL_LINGER_S = 1.0  # after a child died: time for error events to reach clients, /health shows 503
 
 
 def serve(config: ServerConfig) -> int:
@@ -54,10 +52,10 @@ def serve(config: ServerConfig) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="vlm-engine-"))
     paths = ipc.IpcPaths(run_dir)
     children = ChildGroup()
-    children.add("engine-core", run_engine_core, config, paths)
-    children.add("detokenizer", run_detokenizer, config, paths)
+    children.add("engine-core", "vlm_engine.server.engine_core:run_engine_core", config, paths)
+    children.add("detokenizer", "vlm_engine.server.detokenizer_proc:run_detokenizer", config, paths)
     for i in range(config.preprocess_workers):
-        children.add(f"preprocess-{i}", run_preprocess_worker, config, paths, i)
+        children.add(f"preprocess-{i}", "vlm_engine.server.preprocess_worker:run_preprocess_worker", config, paths, i)
     try:
         children.start()
         # Only after the spawns: children inherit the niceness, and the core must keep priority 0.
@@ -130,7 +128,7 @@ class _Server(uvicorn.Server):
             self.state.failure = message
             self.exit_code = exit_code
         self.state.client.fail_all(500, message)
-        self._loop.call_later(0.2, setattr, self, "should_exit", True)  # type: ignore[union-attr]
+        self._loop.call_later(_FAIL_LINGER_S, setattr, self, "should_exit", True)  # type: ignore[union-attr]
 
 
 async def _watch(children: ChildGroup, server: _Server) -> None:

@@ -11,14 +11,34 @@ _METRICS: list[tuple[str, str, str, Any]] = [
     ("vlm_kv_pages_cached", "gauge", "KV pages holding a reusable prefix", lambda s, c: s.pages_cached),
     ("vlm_requests_running", "gauge", "Requests in the running batch", lambda s, c: s.running),
     ("vlm_requests_waiting", "gauge", "Requests queued in the engine core", lambda s, c: s.waiting),
-    ("vlm_requests_inflight", "gauge", "Engine requests accepted by the API and not finished", lambda s, c: c.num_inflight),
+    (
+        "vlm_requests_inflight",
+        "gauge",
+        "Engine requests accepted by the API and not finished",
+        lambda s, c: c.num_inflight,
+    ),
     ("vlm_steps_total", "counter", "Engine steps run", lambda s, c: s.steps),
-    ("vlm_prompt_tokens_total", "counter", "Prompt tokens computed (prefix-cache hits excluded)", lambda s, c: s.prompt_tokens),
+    (
+        "vlm_prompt_tokens_total",
+        "counter",
+        "Prompt tokens computed (prefix-cache hits excluded)",
+        lambda s, c: s.prompt_tokens,
+    ),
     ("vlm_generation_tokens_total", "counter", "Tokens sampled", lambda s, c: s.generation_tokens),
-    ("vlm_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache", lambda s, c: s.cached_prompt_tokens),
+    (
+        "vlm_prefix_cache_hit_tokens_total",
+        "counter",
+        "Prompt tokens served from the prefix cache",
+        lambda s, c: s.cached_prompt_tokens,
+    ),
     ("vlm_preemptions_total", "counter", "Requests preempted for lack of KV pages", lambda s, c: s.preemptions),
     ("vlm_step_schedule_seconds_total", "counter", "Host time spent scheduling", lambda s, c: s.schedule_s),
-    ("vlm_step_forward_seconds_total", "counter", "Time spent in forward passes and sampling", lambda s, c: s.forward_s),
+    (
+        "vlm_step_forward_seconds_total",
+        "counter",
+        "Time spent in forward passes and sampling",
+        lambda s, c: s.forward_s,
+    ),
     ("vlm_step_update_seconds_total", "counter", "Host time spent applying step results", lambda s, c: s.update_s),
 ]
 

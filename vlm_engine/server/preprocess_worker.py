@@ -19,7 +19,7 @@ import zmq
 from vlm_engine import ipc
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.procs import init_child, parent_alive
+from vlm_engine.server.procs import init_child, serve_forever
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,8 @@ def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int)
         limits=config.media_limits(),
         max_images=config.limit_mm_per_prompt,
     )
-    parent = os.getppid()
     worker = PreprocessWorker(processor, paths, index)
-    try:
-        worker.run(lambda: parent_alive(parent))
-    finally:
-        worker.close()
+    serve_forever("preprocess worker", worker.run, worker.close)
 
 
 def encode_engine_request(request_id: str, sampling: Any, prompt: ProcessedPrompt) -> list[Any]:
@@ -52,7 +48,11 @@ def encode_engine_request(request_id: str, sampling: Any, prompt: ProcessedPromp
     token_ids = ipc.tensor_frame(np.asarray(prompt.token_ids, dtype=np.int32), frames)
     media = [
         ipc.MediaMeta(
-            m.kind, m.span.offset, m.span.length, m.span.content_hash, tuple(m.grid_thw),
+            m.kind,
+            m.span.offset,
+            m.span.length,
+            m.span.content_hash,
+            tuple(m.grid_thw),
             ipc.tensor_frame(m.pixel_values, frames),
         )
         for m in prompt.media
@@ -124,7 +124,9 @@ class PreprocessWorker:
             self._fail(ids, 500, f"preprocessing failed: {type(exc).__name__}", None, "server_error")
             return
         for i, rid in enumerate(ids):
-            self.to_core.send_multipart(encode_engine_request(rid, choice_sampling(request.sampling, i), prompt), copy=False)
+            self.to_core.send_multipart(
+                encode_engine_request(rid, choice_sampling(request.sampling, i), prompt), copy=False
+            )
 
     def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
         if request.messages is not None:
@@ -133,6 +135,8 @@ class PreprocessWorker:
             return self.processor.from_text(request.prompt)
         return self.processor.from_token_ids(list(request.prompt or []))
 
-    def _fail(self, ids: list[str], status: int, message: str, param: str | None, kind: str = "invalid_request_error") -> None:
+    def _fail(
+        self, ids: list[str], status: int, message: str, param: str | None, kind: str = "invalid_request_error"
+    ) -> None:
         for rid in ids:
             self.to_api.send_multipart(ipc.encode(ipc.RequestError(rid, status, message, kind, param)))

@@ -5,9 +5,10 @@ Every child is started with the `spawn` method (no forked torch / zmq state), na
 orphans even after a SIGKILL of the parent), ignores SIGINT (a Ctrl-C reaches the whole process
 group; the parent decides the shutdown order) and exits cleanly on SIGTERM.
 
-Side processes (API, preprocess, detokenizer) run at nice 19 with one torch thread: on a small
-CPU box a side process competing at full priority made a 2-thread engine step up to 3.8x slower
-(see shared/CPU-PERF.md); the engine core keeps normal priority and all of torch's threads.
+Side processes (API, preprocess, detokenizer) run at a lower priority (nice 10 by default, see
+`ServerConfig.side_process_nice`) with one torch thread: on a small CPU box a side process
+competing at full priority made a 2-thread engine step up to 3.8x slower (shared/CPU-PERF.md);
+the engine core keeps normal priority and all of torch's threads.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def lower_priority(nice: int) -> None:
         pass
 
 
-def init_child(name: str, log_level: str, side: bool, nice: int = 19) -> None:
+def init_child(name: str, log_level: str, side: bool, nice: int = 10) -> None:
     """First thing a child does: name, lifetime tied to the parent, signals, priority, threads."""
     parent = os.getppid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -78,14 +79,46 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(0)
 
 
-def parent_alive(parent_pid: int) -> bool:
-    return os.getppid() == parent_pid
+def exit_child(code: int = 0) -> None:
+    """Leave without the interpreter's teardown: with torch and transformers loaded it takes
+    seconds, and a child has nothing left to flush but its logs."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve_forever(name: str, loop: Callable[[Callable[[], bool]], None], close: Callable[[], None]) -> None:
+    """Run a child's main loop until SIGTERM (exit 0), a dead parent (0) or a crash (1, logged)."""
+    parent = os.getppid()
+    code = 0
+    try:
+        loop(lambda: os.getppid() == parent)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException:
+        logging.getLogger(name).exception("%s crashed", name)
+        code = 1
+    finally:
+        try:
+            close()
+        finally:
+            exit_child(code)
+
+
+def run_entry_point(entry_point: str, *args: Any) -> None:
+    """Child-side trampoline: import "module:function" and run it. The parent names children's
+    code by string so it never imports torch and the engine itself (the API process stays light)."""
+    import importlib
+
+    module, _, function = entry_point.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 @dataclass
 class Child:
     name: str
-    target: Callable[..., None]
+    entry_point: str  # "package.module:function", imported in the child only
     args: tuple[Any, ...]
     process: Any = None
 
@@ -108,13 +141,15 @@ class ChildGroup:
 
     children: list[Child] = field(default_factory=list)
 
-    def add(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        self.children.append(Child(name, target, args))
+    def add(self, name: str, entry_point: str, *args: Any) -> None:
+        self.children.append(Child(name, entry_point, args))
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
         for child in self.children:
-            child.process = ctx.Process(target=child.target, args=child.args, name=child.name, daemon=False)
+            child.process = ctx.Process(
+                target=run_entry_point, args=(child.entry_point, *child.args), name=child.name, daemon=False
+            )
             child.process.start()
             logger.info("started %s (pid %d)", child.name, child.pid)
 
@@ -131,6 +166,7 @@ class ChildGroup:
             if child.process is None:
                 continue
             child.process.join(max(0.0, deadline - time.monotonic()))
+            logger.debug("%s exited with %s", child.name, child.process.exitcode)
             if child.process.is_alive():
                 logger.warning("%s (pid %d) did not exit after SIGTERM; killing it", child.name, child.pid)
                 child.process.kill()

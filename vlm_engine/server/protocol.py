@@ -38,7 +38,9 @@ class ApiError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -104,9 +106,7 @@ def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, i
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
     if model is not None and model != served_model:
-        raise ApiError(
-            404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
-        )
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
     n = _get(body, "n", int, 1)
     if not 1 <= n <= max_n:
         raise ApiError(400, f"'n' must be between 1 and {max_n}, got {n}", param="n")
@@ -233,7 +233,11 @@ def _prompts(prompt: Any) -> list[Any]:
     for item in prompt:
         if isinstance(item, str):
             continue
-        if not isinstance(item, list) or not item or not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        if (
+            not isinstance(item, list)
+            or not item
+            or not all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        ):
             raise bad
     return list(prompt)
 
@@ -292,7 +296,9 @@ def completion_logprobs(entries: list[Any], text_offset: int) -> dict[str, Any]:
     }
 
 
-def chat_completion(request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(
+    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -314,7 +320,14 @@ def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict[str, A
     }
 
 
-def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: Any = None, with_usage: bool = False) -> dict[str, Any]:
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: Any = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -329,11 +342,20 @@ def chat_chunk(request_id: str, created: int, model: str, choices: list[dict[str
     return chunk
 
 
-def chat_chunk_choice(index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+def chat_chunk_choice(
+    index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
+) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def completion(request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: Any = None, with_usage: bool = True) -> dict[str, Any]:
+def completion(
+    request_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage_: Any = None,
+    with_usage: bool = True,
+) -> dict[str, Any]:
     body = {
         "id": request_id,
         "object": "text_completion",

@@ -1,0 +1,159 @@
+"""Run the real `vlm-engine serve` as a subprocess on a free port, and check what it returns."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from pydantic import BaseModel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m vlm_engine.cli serve ...`; the log goes to a file (a full pipe would block it)."""
+
+    def __init__(
+        self, model: str | Path, log_path: Path, *args: str, api_key: str | None = None, side_nice: int = 0
+    ) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "vlm_engine.cli", "serve", "--model", str(model), "--port", str(self.port)]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        # Side processes at normal priority: on a shared, busy test machine nice-19 helpers are
+        # starved by unrelated load and latencies balloon; priority is a speed knob, not behaviour.
+        cmd += ["--side-process-nice", str(side_nice), *args]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self._log = open(log_path, "wb")  # noqa: SIM115 - open for the server's whole life, closed in wait_exit
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.health_codes: list[int] = []  # every /health status seen while waiting
+        self.child_pids: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                code = httpx.get(self.url + "/health", timeout=2.0).status_code
+                self.health_codes.append(code)
+                if code == 200:
+                    self.child_pids = {p.pid for p in self.children()}
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not healthy after {timeout_s} s:\n{self.log()[-4000:]}")
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def child_pid(self, name: str) -> int:
+        """The pid of a child by its launcher name ("engine-core", "detokenizer", "preprocess-0")."""
+        match = re.search(rf"started {re.escape(name)} \(pid (\d+)\)", self.log())
+        assert match, f"no pid for {name} in the log"
+        return int(match.group(1))
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=5.0).text
+        values = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split()
+                values[name] = float(value)
+        return values
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        self.child_pids |= {p.pid for p in self.children()}
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout_s: float = 30.0) -> int:
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise
+        self._log.close()
+        return self.proc.returncode
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Signal the server and wait for it; returns its exit status."""
+        if self.proc.poll() is None:
+            self.send_signal(sig)
+        return self.wait_exit(timeout_s)
+
+    def leftover_children(self, wait_s: float = 5.0) -> list[int]:
+        """Children seen while running that still exist (zombies count as gone)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = [pid for pid in self.child_pids if _alive(pid)]
+            if not alive or time.monotonic() > deadline:
+                return alive
+            time.sleep(0.1)
+
+    def kill_all(self) -> None:
+        for pid in [*self.child_pids, self.proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_exact_schema(model_cls: type[BaseModel], data: dict[str, Any]) -> BaseModel:
+    """Parse with the SDK's own model, strictly, and fail on any field the SDK does not define."""
+    obj = model_cls.model_validate(data, strict=True)
+    _no_extra(obj, model_cls.__name__)
+    return obj
+
+
+def _no_extra(value: Any, where: str) -> None:
+    if isinstance(value, BaseModel):
+        assert not value.model_extra, f"{where}: fields unknown to the SDK: {sorted(value.model_extra)}"
+        for name in type(value).model_fields:
+            _no_extra(getattr(value, name), f"{where}.{name}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _no_extra(item, f"{where}[{i}]")
+
+
+def sse_events(lines: list[str]) -> list[str]:
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]

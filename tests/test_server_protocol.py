@@ -1,0 +1,69 @@
+"""OpenAI request validation (no processes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from vlm_engine.server import protocol as P
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any) -> P.GenerateRequest:
+    return P.parse_chat({"model": "m", "messages": MSGS, **body}, "m", max_n=4, max_model_len=100, max_images=1)
+
+
+def test_chat_defaults_and_aliases() -> None:
+    req = chat()
+    assert req.sampling.max_tokens == 100  # no limit: up to the context
+    assert req.sampling.temperature == 1.0 and req.n == 1 and not req.stream
+    assert chat(max_completion_tokens=7, max_tokens=9).sampling.max_tokens == 7
+    assert chat(stop="x").sampling.stop == ("x",)
+    assert chat(logprobs=True, top_logprobs=3).sampling.logprobs == 3
+    assert chat(logprobs=True).sampling.logprobs == 0
+    req = chat(stream=True, stream_options={"include_usage": True}, ignore_eos=True, seed=5, top_k=-1, future_field=1)
+    assert req.include_usage and req.sampling.ignore_eos and req.sampling.seed == 5 and req.sampling.top_k == 0
+    assert P.parse_chat({"messages": MSGS}, "m", 4, 100, 1).model == "m"  # model may be omitted
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "other"}, 404, "model"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": "hi"}, 400, "messages"),
+        ({"temperature": -0.5}, 400, "temperature"),
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": True}, 400, "max_tokens"),
+        ({"n": 5}, 400, "n"),
+        ({"stop": ["ok", 3]}, 400, "stop"),
+        ({"top_logprobs": 2}, 400, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}, {"type": "image_url"}]}]}, 400, "messages"),
+    ],
+)
+def test_chat_rejections(body: dict[str, Any], status: int, param: str) -> None:
+    with pytest.raises(P.ApiError) as info:
+        chat(**body)
+    assert info.value.status == status and info.value.param == param
+    assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_completion_prompts() -> None:
+    def parse(prompt: Any, **kw: Any) -> P.GenerateRequest:
+        return P.parse_completion({"prompt": prompt, **kw}, "m", max_n=4)
+
+    assert parse("a").prompts == ["a"] and parse("a").sampling.max_tokens == 16
+    assert parse([1, 2]).prompts == [[1, 2]]
+    assert parse(["a", [1]], n=2).num_choices == 4
+    assert parse("a", logprobs=2).sampling.logprobs == 2
+    for bad in ([], [[]], [1, "a"], None, 5, [True]):
+        with pytest.raises(P.ApiError):
+            parse(bad)
+    for kw in ({"echo": True}, {"suffix": "x"}, {"n": 3, "prompt": ["a", "b"]}):
+        with pytest.raises(P.ApiError):
+            P.parse_completion({"prompt": "a", **kw}, "m", max_n=4)
