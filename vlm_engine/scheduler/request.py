@@ -78,10 +78,6 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        return self.extend_len > 1 or self.num_output_tokens == 0
-
-    @property
     def finish_reason(self) -> str | None:
         if self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             return self.status.value
