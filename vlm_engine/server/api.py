@@ -123,7 +123,7 @@ class Generation:
                 self.abort()
                 return _from_engine_error(first)
             if self.parsed.stream:
-                body = self._stream(first) if self.parsed.kind == "chat" else self._stream_completion(first)
+                body = self._stream(first)
                 return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
             return await self._collect(first)
         except BaseException:
@@ -238,31 +238,28 @@ class Generation:
         return _usage(self.choices, self.parsed.n)
 
     async def _stream(self, first: Any) -> AsyncIterator[bytes]:
+        """SSE for both endpoints; only the chunk bodies differ (see `_delta_chunk`/`_usage_chunk`)."""
         p = self.parsed
         with_usage = p.include_usage or p.continuous_usage
         try:
-            role = {"role": "assistant", "content": "", "refusal": None}
-            yield b"".join(
-                _sse(
-                    P.chat_chunk(
-                        self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage
+            if p.kind == "chat":
+                role = {"role": "assistant", "content": "", "refusal": None}
+                yield b"".join(
+                    _sse(
+                        P.chat_chunk(
+                            self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage
+                        )
                     )
+                    for i in range(p.num_choices)
                 )
-                for i in range(p.num_choices)
-            )
             async for batch in self._batches(first):
                 merged, error = self._merge(batch)
-                out = []
-                for index, d in merged.items():
-                    if not (d.text or d.finished or d.logprobs):
-                        continue  # text held back (partial stop string / UTF-8): nothing to show yet
-                    delta = {"content": d.text} if d.text else {}
-                    logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
-                    choice = P.chat_chunk_choice(index, delta, d.finish_reason if d.finished else None, logprobs)
-                    usage = self._usage_now() if p.continuous_usage else None
-                    out.append(
-                        _sse(P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage))
-                    )
+                # Skip deltas with nothing to show yet (text held back: partial stop string / UTF-8).
+                out = [
+                    _sse(self._delta_chunk(index, d, with_usage))
+                    for index, d in merged.items()
+                    if d.text or d.finished or d.logprobs
+                ]
                 if error is not None:
                     self.abort()
                     out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
@@ -272,42 +269,30 @@ class Generation:
                 if out:
                     yield b"".join(out)
             if with_usage:
-                yield _sse(P.chat_chunk(self.request_id, self.created, self.model, [], self._usage_now(), True))
+                yield _sse(self._usage_chunk())
             yield _DONE
         finally:
             self.abort()  # no-op when finished; a disconnect cancels us mid-stream
 
-    async def _stream_completion(self, first: Any) -> AsyncIterator[bytes]:
+    def _delta_chunk(self, index: int, d: Any, with_usage: bool) -> dict[str, Any]:
         p = self.parsed
-        with_usage = p.include_usage or p.continuous_usage
-        try:
-            async for batch in self._batches(first):
-                offsets = [c.text_len for c in self.choices]
-                merged, error = self._merge(batch)
-                out = []
-                for index, d in merged.items():
-                    if not (d.text or d.finished or d.logprobs):
-                        continue
-                    logprobs = P.completion_logprobs(d.logprobs, offsets[index]) if p.logprobs and d.logprobs else None
-                    self.choices[index].text_len = offsets[index] + len(d.text)
-                    choice = P.completion_choice(index, d.text, d.finish_reason if d.finished else None, logprobs)
-                    usage = self._usage_now() if p.continuous_usage else None
-                    out.append(
-                        _sse(P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage))
-                    )
-                if error is not None:
-                    self.abort()
-                    out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
-                    out.append(_DONE)
-                    yield b"".join(out)
-                    return
-                if out:
-                    yield b"".join(out)
-            if with_usage:
-                yield _sse(P.completion(self.request_id, self.created, self.model, [], self._usage_now(), True))
-            yield _DONE
-        finally:
-            self.abort()
+        finish = d.finish_reason if d.finished else None
+        usage = self._usage_now() if p.continuous_usage else None
+        if p.kind == "chat":
+            delta = {"content": d.text} if d.text else {}
+            logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
+            choice = P.chat_chunk_choice(index, delta, finish, logprobs)
+            return P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage)
+        offset = self.choices[index].text_len
+        logprobs = P.completion_logprobs(d.logprobs, offset) if p.logprobs and d.logprobs else None
+        self.choices[index].text_len = offset + len(d.text)
+        choice = P.completion_choice(index, d.text, finish, logprobs)
+        return P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage)
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        if self.parsed.kind == "chat":
+            return P.chat_chunk(self.request_id, self.created, self.model, [], self._usage_now(), True)
+        return P.completion(self.request_id, self.created, self.model, [], self._usage_now(), True)
 
 
 def build_app(state: ServerState) -> FastAPI:
