@@ -94,7 +94,7 @@ def bare_forward_ms(engine: Engine, context: int, tokens: int) -> float:
                 query_lens_host=[1],
                 seq_lens_host=[pos + 1],
             )
-            ctx = ForwardContext(meta, runner.kv_caches, runner.attn_backend)
+            ctx = ForwardContext(meta, runner.kv_caches, runner.attn_backend, runner.fused_ops)
             hidden = model(model.embed(token), torch.tensor([pos]), ctx)
             token = model.compute_logits(hidden).argmax(-1)
             token.item()

@@ -3,6 +3,16 @@
     python benchmarks/serve_smoke.py --url http://127.0.0.1:8000 --ignore-eos
     python benchmarks/serve_smoke.py --url http://127.0.0.1:8011 --model MODEL_DIR   # transformers serve
 
+    # the issue-3 table in one run: each server started in turn on the same weights, same client
+    python benchmarks/serve_smoke.py --start transformers --start ours --model-dir smollm2 \
+        --json benchmarks/results/serve_smoke.json
+
+`--start KIND[:DTYPE]` (repeatable; KIND is ours or transformers, DTYPE defaults to auto) starts
+that server on `--model-dir` (a directory, or the alias smollm2 / qwen2-vl-bench), runs every
+level, stops it, and prints one table with each server's ratio to the first one started. Output
+lengths are pinned the same way for both: `ignore_eos` for ours, a `generation_config` with
+`min_new_tokens` for `transformers serve` (which answers 422 to `ignore_eos`).
+
 Each level runs `--requests` greedy streaming chat requests (default 2 x concurrency, at least 8)
 with `--concurrency` in flight and reports output tokens/s over the level's wall time, plus TTFT
 and inter-token latency percentiles. Output tokens come from `usage` when the server sends it
@@ -70,6 +80,7 @@ async def one(client: httpx.AsyncClient, args: argparse.Namespace, i: int) -> Re
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(args.extra_fields)
     result = Result()
     start = last = time.perf_counter()
     try:
@@ -143,7 +154,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (our server / vLLM only)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--start", action="append", default=[], help="KIND[:DTYPE] to start (repeatable)")
+    parser.add_argument("--model-dir", default="smollm2", help="checkpoint for --start (dir or alias)")
     args = parser.parse_args()
+    args.extra_fields = {}
+    if not args.start:
+        rows = run_levels(args)
+        report = {"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "levels": rows}
+    else:
+        report = run_side_by_side(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def run_levels(args: argparse.Namespace) -> list[dict[str, float]]:
     if args.model is None:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         args.model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
@@ -157,11 +182,43 @@ def main() -> None:
             f"({row['requests']} requests, {row['mean_tokens']:.1f} tokens each, {row['wall_s']:.1f} s)",
             flush=True,
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(
-                {"url": args.url, "model": args.model, "max_tokens": args.max_tokens, "levels": rows}, f, indent=1
-            )
+    return rows
+
+
+def run_side_by_side(args: argparse.Namespace) -> dict[str, object]:
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import roofline
+    import servers
+    import workloads
+
+    servers.install_signal_handlers()
+    model_dir = roofline.resolve_model_dir(args.model_dir)
+    log_dir = Path(args.json).parent / "logs" if args.json else Path(servers.BENCH) / "results" / "serve_smoke_logs"
+    results: list[dict[str, object]] = []
+    for entry in args.start:
+        kind, _, dtype = entry.partition(":")
+        spec = servers.ServerSpec(kind=kind, model_dir=model_dir, dtype=dtype or "auto", label=entry)
+        flavor = spec.flavor
+        args.ignore_eos = False
+        args.extra_fields = workloads.length_fields(flavor, args.max_tokens)
+        with servers.ManagedServer(spec, log_dir) as server:
+            print(f"== {entry}: {server.base_url} (up in {server.startup_s:.0f} s)", flush=True)
+            args.url, args.model = server.base_url, None
+            results.append({"server": entry, "fields": sorted(args.extra_fields), "levels": run_levels(args)})
+    base = results[0]
+    print(f"\noutput tokens/s, {args.max_tokens} tokens per request (ratio to {base['server']}):")
+    for i, c in enumerate(args.concurrency):
+        cells = []
+        for r in results:
+            tok_s = r["levels"][i]["output_tok_s"]  # type: ignore[index]
+            ratio = tok_s / max(base["levels"][i]["output_tok_s"], 1e-9)  # type: ignore[index]
+            cells.append(f"{r['server']} {tok_s:7.1f} ({ratio:.2f}x)")
+        print(f"  concurrency {c:3d}: " + "   ".join(cells))
+    return {"model_dir": model_dir, "max_tokens": args.max_tokens, "servers": results}
 
 
 if __name__ == "__main__":

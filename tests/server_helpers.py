@@ -39,7 +39,10 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         # Side processes at normal priority: on a shared, busy test machine nice-19 helpers are
         # starved by unrelated load and latencies balloon; priority is a speed knob, not behaviour.
-        cmd += ["--side-process-nice", str(side_nice), *args]
+        cmd += ["--side-process-nice", str(side_nice)]
+        # fp32: the tests compare outputs across batch compositions, which bf16 (the CPU 'auto'
+        # dtype where the CPU has bf16 dot products) does not promise bit for bit. Later args win.
+        cmd += ["--dtype", "float32", *args]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         self._log = open(log_path, "wb")  # noqa: SIM115 - open for the server's whole life, closed in wait_exit
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)

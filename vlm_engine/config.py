@@ -18,6 +18,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's limit, capped by the KV pool
     attention_backend: str = "auto"  # see vlm_engine.runner.attention.registry
+    prepack_weights: bool = True  # bf16 on CPU: linears in oneDNN's blocked layout (vlm_engine.models.prepack)
+    fused_cpu_ops: bool = True  # bf16 on CPU: C++ norm/rotary/SiLU ops (vlm_engine.models.fused_ops)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs kept by content hash
     cpu_kv_cache_fraction: float = 0.25  # of MemAvailable, when kv_cache_tokens is None on CPU
     cpu_kv_cache_max_bytes: int = 4 * 1024**3

@@ -20,6 +20,7 @@ from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
 from vlm_engine.runner.attention.backends import create_backend
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
@@ -91,7 +92,7 @@ class Engine:
         self.hf_config = load_config(self.source)
         self.device = default_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device, self.source.gguf_file is not None)
-        self.model = build_model(self.source, self.hf_config, self.dtype, self.device)
+        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, cfg.prepack_weights)
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
         self.tokenizer = self.processor.tokenizer
 
@@ -112,8 +113,9 @@ class Engine:
             self.pool,
         )
         backend = create_backend(cfg.attention_backend, self.device)
+        fused = load_fused_ops() if cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype) else None
         self.runner = ModelRunner(
-            self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes
+            self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
         )
         self.eos_token_ids = self._eos_token_ids()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -121,8 +123,8 @@ class Engine:
         self._ids = itertools.count()
         self.last_step = StepStats()
         logger.info(
-            "engine ready: %s, %s, attention %s, %d KV pages x %d tokens, max_model_len %d",
-            self.source.name, self.dtype, backend.name, num_pages, cfg.page_size, self.max_model_len,
+            "engine ready: %s, %s, attention %s, fused CPU ops %s, %d KV pages x %d tokens, max_model_len %d",
+            self.source.name, self.dtype, backend.name, fused is not None, num_pages, cfg.page_size, self.max_model_len,
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------

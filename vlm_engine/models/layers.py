@@ -7,6 +7,7 @@ same rotate-half RoPE) because greedy outputs must match it token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,8 @@ class ForwardContext:
     attn_meta: AttentionMetadata
     kv_caches: list[KVCache]
     attn_backend: AttentionBackend
+    # vlm_engine.models.fused_ops extension (bf16 on CPU); None: plain torch ops
+    fused: ModuleType | None = None
 
 
 class RMSNorm(nn.Module):
@@ -138,9 +141,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if ctx.fused is not None:
+            ctx.fused.rotary_(q, k, cos, sin)  # in place, on the views into the qkv output
+        else:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_meta, self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -154,7 +161,9 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        if fused is not None:
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -170,3 +179,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(
+        self, normed: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Residual-stream form: `normed` is input_layernorm(residual); `residual` is updated in
+        place; returns the MLP output, which the caller adds into `residual` with the next norm."""
+        assert ctx.fused is not None
+        x = self.self_attn(normed, cos, sin, ctx)
+        ctx.fused.add_rms_norm_(x, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return self.mlp(x, ctx.fused)

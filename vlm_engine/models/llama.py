@@ -67,9 +67,23 @@ class DecoderModel(nn.Module):
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if ctx.fused is not None:
+            return self._forward_fused(hidden, cos, sin, ctx)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, ctx)
         return self.norm(hidden)
+
+    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Same arithmetic with each residual add fused into the norm that follows it."""
+        fused = ctx.fused
+        assert fused is not None
+        residual = hidden  # the step's own embedding output: safe to update in place
+        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
+        x = fused.rms_norm(residual, norms[0].weight, norms[0].eps)
+        for layer, next_norm in zip(self.layers, norms[1:]):
+            x = layer.forward_fused(x, residual, cos, sin, ctx)
+            fused.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
+        return x
 
 
 class LlamaForCausalLM(nn.Module):

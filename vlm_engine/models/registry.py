@@ -19,6 +19,7 @@ from torch import nn
 
 from vlm_engine.models import loader
 from vlm_engine.models.layers import RotaryEmbedding
+from vlm_engine.models.prepack import prepack_linears, prepack_supported
 
 logger = logging.getLogger(__name__)
 
@@ -89,23 +90,43 @@ def model_class(config: Any) -> type[nn.Module]:
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) -> torch.dtype:
-    """'auto' keeps the checkpoint's dtype (as Transformers 5 does), except where the device is bad at it."""
+    """'auto' keeps the checkpoint's dtype, except where the device is bad at it.
+
+    Like vLLM's CPU backend, 'auto' serves fp32 and fp16 checkpoints (and dequantized GGUF) in
+    bf16 on CPUs with native bf16 dot products: oneDNN's bf16 kernels ran ~2x fp32 there. bf16
+    output is not token-identical to an fp32 reference; ask for float32 to compare with one.
+    """
     if dtype != "auto":
         return getattr(torch, dtype)
-    if is_gguf:
-        return torch.float32  # dequantized weights, as Transformers loads them
     text_config = getattr(config, "text_config", None) or config
     declared = getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
-    if not isinstance(declared, torch.dtype):
-        return torch.float32
-    if device.type == "cpu" and declared == torch.float16:
-        return torch.float32  # CPU fp16 matmuls are slow and lossy; bf16/fp32 are the fast paths
+    if is_gguf or not isinstance(declared, torch.dtype):
+        declared = torch.float32  # dequantized weights, as Transformers loads them
+    if device.type == "cpu" and declared in (torch.float32, torch.float16):
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     return declared
 
 
-def build_model(source: ModelSource, config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def cpu_has_native_bf16() -> bool:
+    """avx512_bf16 or AMX: the CPU has bf16 dot-product instructions (not just conversion)."""
+    if os.environ.get("VLM_ENGINE_CPU_BF16") in ("0", "1"):  # override for tests and odd hosts
+        return os.environ["VLM_ENGINE_CPU_BF16"] == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def build_model(
+    source: ModelSource, config: Any, dtype: torch.dtype, device: torch.device, prepack: bool = True
+) -> nn.Module:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):
@@ -122,6 +143,8 @@ def build_model(source: ModelSource, config: Any, dtype: torch.dtype, device: to
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
+    if prepack and prepack_supported(device, dtype):
+        prepack_linears(model)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

@@ -8,6 +8,7 @@ per-element tensor work on the host is the classic way to starve the accelerator
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -57,12 +58,14 @@ class ModelRunner:
         page_size: int,
         attn_backend: AttentionBackend,
         encoder_cache_bytes: int = 0,
+        fused_ops: ModuleType | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
         self.page_size = page_size
         self.attn_backend = attn_backend
+        self.fused_ops = fused_ops
         self.layout = KVLayout.of(model)
         shape = (num_pages, page_size, self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_caches: list[KVCache] = [
@@ -80,7 +83,7 @@ class ModelRunner:
         hidden = self.model.embed(inputs.input_ids)
         if any(c.request.prompt.media for c in out.chunks):
             self._merge_media(hidden, out.chunks)
-        ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend)
+        ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend, self.fused_ops)
         hidden = self.model(hidden, inputs.positions, ctx)
         if not inputs.sample_rows:
             return {}

@@ -73,11 +73,11 @@ def _cpu_tag() -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()[:10]
 
 
-def extension_build_dir() -> Path:
+def extension_build_dir(name: str = EXT_NAME) -> Path:
     import torch
 
     tv = torch.__version__.split("+")[0]
-    tag = f"{EXT_NAME}-torch{tv}-py{sys.version_info.major}{sys.version_info.minor}-{_cpu_tag()}"
+    tag = f"{name}-torch{tv}-py{sys.version_info.major}{sys.version_info.minor}-{_cpu_tag()}"
     return _cache_root() / tag
 
 
@@ -104,10 +104,10 @@ def build_extension(name: str = EXT_NAME, source: Path = _SRC, build_dir: Path |
         from torch.utils.cpp_extension import load
 
         _ensure_ninja_on_path()
-        build_dir = Path(build_dir) if build_dir is not None else extension_build_dir()
+        build_dir = Path(build_dir) if build_dir is not None else extension_build_dir(name)
         build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # noqa: BLE001
-        logger.warning("fused CPU paged attention unavailable (%s); using the torch reference", e)
+        logger.warning("C++ extension %s unavailable (%s); using the torch reference", name, e)
         return None
     verbose = os.environ.get("VLM_ENGINE_VERBOSE_BUILD", "") not in ("", "0")
     for flags in _FLAG_SETS:
@@ -123,10 +123,7 @@ def build_extension(name: str = EXT_NAME, source: Path = _SRC, build_dir: Path |
         except Exception as e:  # noqa: BLE001
             msg = str(e).strip()
             errors.append(f"[{' '.join(flags)}] {msg.splitlines()[-1] if msg else repr(e)}")
-    logger.warning(
-        "could not build the fused CPU paged-attention op; using the torch reference. Errors: %s",
-        " | ".join(errors),
-    )
+    logger.warning("could not build the C++ extension %s; using the torch reference. Errors: %s", name, " | ".join(errors))
     return None
 
 

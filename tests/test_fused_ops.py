@@ -1,0 +1,147 @@
+"""The bf16 CPU fast path: fused C++ element-wise ops and prepacked linears, each against the
+torch code it replaces, and the engine's greedy output with and without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_engine.models.fused_ops import load_fused_ops
+from vlm_engine.models.layers import RMSNorm, apply_rotary
+from vlm_engine.models.prepack import PackedLinear, prepack_linears, prepack_supported
+from vlm_engine.models.registry import resolve_dtype
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    mod = load_fused_ops()
+    if mod is None:
+        pytest.skip("the fused-ops extension cannot be built here")
+    return mod
+
+
+def randn(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).mul(3).to(BF16)
+
+
+def ulp_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step (reduction order / exp differ), and on >= 99% of elements exactly."""
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=1e-6)
+    assert (actual == expected).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_rms_norm_matches_module(ops, rows: int) -> None:
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = randn(576, seed=1) / 3
+    norm = norm.to(BF16)
+    x = randn(rows, 576)
+    ulp_close(ops.rms_norm(x, norm.weight, norm.eps), norm(x))
+
+
+def test_add_rms_norm_updates_both_in_place(ops) -> None:
+    norm = RMSNorm(96, 1e-6).to(BF16)
+    norm.weight.data = randn(96, seed=2)
+    x, residual = randn(5, 96, seed=3), randn(5, 96, seed=4)
+    expected_sum = x + residual  # bf16 add, as the decoder's residual connection
+    expected = norm(expected_sum)
+    out = ops.add_rms_norm_(x, residual, norm.weight, norm.eps)
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(residual, expected_sum)
+    ulp_close(x, expected)
+
+
+def test_rotary_in_place_on_strided_views(ops) -> None:
+    t, hq, hk, d = 6, 4, 2, 64
+    qkv = randn(t, (hq + 2 * hk) * d, seed=5)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    angles = torch.rand(t, d // 2, generator=torch.Generator().manual_seed(6)) * 50
+    cos, sin = torch.cat((angles.cos(),) * 2, -1).to(BF16), torch.cat((angles.sin(),) * 2, -1).to(BF16)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    before_v = qkv[:, (hq + hk) * d :].clone()
+    ops.rotary_(q, k, cos, sin)
+    # Products of two bf16 values are exact in fp32, so every rounding step matches torch's.
+    assert torch.equal(q, expected_q)
+    assert torch.equal(k, expected_k)
+    assert torch.equal(qkv[:, (hq + hk) * d :], before_v)
+
+
+def test_silu_and_mul_matches_torch(ops) -> None:
+    gate_up = randn(9, 2 * 300, seed=7)
+    gate, up = gate_up.split(300, dim=-1)
+    ulp_close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+def test_ops_reject_fp32(ops) -> None:
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=BF16), 1e-6)
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), BF16), reason="no oneDNN bf16 packing")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_packed_linear_is_bit_identical(rows: int) -> None:
+    linear = nn.Linear(192, 320, bias=True).to(BF16).requires_grad_(False)
+    x = randn(rows, 192, seed=rows)
+    packed = PackedLinear(linear)
+    assert torch.equal(packed(x), linear(x))
+    assert torch.equal(packed(x.view(1, rows, 192)), linear(x).view(1, rows, 320))
+    assert packed.weight.dtype == BF16 and tuple(packed.weight.shape) == (320, 192)
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), BF16), reason="no oneDNN bf16 packing")
+def test_prepack_replaces_only_bf16_linears() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.LayerNorm(4)).requires_grad_(False)
+    assert prepack_linears(model) == 0  # fp32 stays on Transformers' own kernels
+    model = model.to(BF16)
+    assert prepack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+
+
+def test_auto_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+
+    class Config:
+        dtype = "float32"
+
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "1")
+    assert resolve_dtype("auto", Config(), cpu, is_gguf=False) == BF16
+    assert resolve_dtype("auto", Config(), cpu, is_gguf=True) == BF16
+    assert resolve_dtype("float32", Config(), cpu, is_gguf=False) == torch.float32
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")
+    assert resolve_dtype("auto", Config(), cpu, is_gguf=False) == torch.float32
+    Config.dtype = "bfloat16"
+    assert resolve_dtype("auto", Config(), cpu, is_gguf=False) == BF16  # the checkpoint's own dtype
+
+
+def test_engine_fast_path_agrees_with_plain_bf16(tiny_vlm_dir, ops) -> None:
+    """Tiny random Qwen2-VL in bf16: fused ops + packed linears vs plain torch ops, same prompts.
+
+    Random weights give flat logits, so instead of exact ids the first token's top-5 log-probs
+    are compared (they must agree to bf16 noise), plus the greedy ids of a real-weights model in
+    test_smollm2_parity.py.
+    """
+    from tests.conftest import make_image
+    from vlm_engine import Engine, SamplingParams
+
+    messages = [
+        [{"role": "user", "content": "Describe a quiet harbour at dawn."}],
+        [{"role": "user", "content": [{"type": "image", "image": make_image(64, 48, 1)}, {"type": "text", "text": "What is this?"}]}],
+    ]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    results = []
+    for fast in (True, False):
+        engine = Engine(str(tiny_vlm_dir), dtype="bfloat16", kv_cache_tokens=1024, prepack_weights=fast, fused_cpu_ops=fast)
+        assert (engine.runner.fused_ops is not None) == fast
+        results.append(engine.chat(messages, params))
+    for fast_out, plain_out in zip(*results):
+        fast_top = dict(fast_out.logprobs[0].top_logprobs)
+        plain_top = dict(plain_out.logprobs[0].top_logprobs)
+        shared = set(fast_top) & set(plain_top)
+        assert len(shared) >= 4
+        for token in shared:
+            assert abs(fast_top[token] - plain_top[token]) < 0.05

@@ -1,0 +1,36 @@
+"""Fused bf16 element-wise ops for the CPU decoder (C++, built on first use like the attention op).
+
+`load_fused_ops()` returns the extension module with `rms_norm`, `add_rms_norm_`, `rotary_` and
+`silu_and_mul` (see csrc/fused_ops.cpp), or None where it cannot be built or does not apply.
+The torch code in `vlm_engine.models.layers` stays the reference and the fp32 path: fp32 is
+the mode that must match Transformers token for token, so it keeps Transformers' exact ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EXT_NAME = "vlm_engine_fused_ops"
+_SRC = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
+
+
+def fused_ops_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+@functools.cache
+def load_fused_ops() -> ModuleType | None:
+    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
+        logger.info("fused CPU ops disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
+        return None
+    from vlm_engine.runner.attention.cpu_kernel import build_extension
+
+    return build_extension(EXT_NAME, _SRC)
