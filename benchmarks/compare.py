@@ -357,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", action="append", default=[], help="WORKLOAD=DIR or alias (smollm2, qwen2-vl-bench, qwen2-vl-tiny)"
     )
-    p.add_argument("--dtype", default="auto", help="both servers (auto: the checkpoint's)")
+    p.add_argument(
+        "--dtype", default="bfloat16", help="both servers, so they compute alike (our auto is bf16 on bf16 CPUs)"
+    )
     p.add_argument("--kv-tokens", type=int, default=65_536, help="KV capacity for every server")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
     p.add_argument("--peer-arg", action="append", default=[], help="extra argument for the peer (repeatable)")

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,10 @@ def run_guidellm(
     ]
     print("$ " + " ".join(cmd), flush=True)
     env = {
+        # guidellm starts one worker process per concurrent stream by default; on 2 cores those
+        # processes compete with the server they measure (measured: ITL +30%, throughput -35%
+        # against our one-event-loop client). One worker runs all streams on one asyncio loop.
+        "GUIDELLM__MAX_WORKER_PROCESSES": str(args.guidellm_workers),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -135,6 +140,17 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
         "output_tokens_mean": _dist(m, "output_token_count", "mean"),
         "errors": float(totals.get("errored", math.nan)) if isinstance(totals, dict) else math.nan,
     }
+
+
+def split_cpus(shared: bool) -> tuple[set[int], set[int]]:
+    """Why split: on 2 cores guidellm's client used ~12 CPU-s per 24-request run (ours ~0.5 s) and
+    the server's own counters showed the same 390 steps taking 48 ms instead of 34 ms. Sharing
+    cores then compares two different server speeds, not two clients."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if shared or len(cpus) < 2:
+        return set(cpus), set(cpus)
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
 
 
 def pct_diff(ours: float, ref: float) -> float:
@@ -191,6 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidellm", type=Path, default=GUIDELLM)
+    p.add_argument("--guidellm-workers", type=int, default=1, help="guidellm worker processes")
+    p.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="let the clients share cores with the server (default: the server we start gets the"
+        " first half of the CPUs, both clients the rest)",
+    )
+    p.add_argument(
+        "--keep-prefix-cache",
+        action="store_true",
+        help="leave our server's prefix cache on (off by default: guidellm repeats its prompts in every"
+        " repetition while ours sends fresh ones, so cache hits would differ between the clients)",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.guidellm.exists():
@@ -215,8 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         runs = measure(args.base_url)
     else:
-        spec = servers.ServerSpec("ours", model_dir, args.dtype)
+        extra = () if args.keep_prefix_cache else ("--no-prefix-cache",)
+        spec = servers.ServerSpec("ours", model_dir, args.dtype, extra)
+        server_cpus, client_cpus = split_cpus(args.shared_cores)
+        # Children inherit the CPU mask at start: the server gets its half, then this process
+        # (our client) and guidellm (started from it) move to the other half.
+        os.sched_setaffinity(0, server_cpus)
         with servers.ManagedServer(spec, out / "logs") as server:
+            os.sched_setaffinity(0, client_cpus)
+            print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
             runs = measure(server.base_url)
     # Medians over repetitions, and each repetition's pair (harness, then guidellm right after it)
     # on its own: on a shared machine the load drifts between pairs more than within one.
