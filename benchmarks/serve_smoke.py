@@ -32,8 +32,12 @@ import json
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
+import roofline  # siblings in benchmarks/, importable when this file runs as a script
+import servers
+import workloads
 
 TOPICS = [
     "the sea",
@@ -186,15 +190,6 @@ def run_levels(args: argparse.Namespace) -> list[dict[str, float]]:
 
 
 def run_side_by_side(args: argparse.Namespace) -> dict[str, object]:
-    import os
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import roofline
-    import servers
-    import workloads
-
     servers.install_signal_handlers()
     model_dir = roofline.resolve_model_dir(args.model_dir)
     log_dir = Path(args.json).parent / "logs" if args.json else Path(servers.BENCH) / "results" / "serve_smoke_logs"

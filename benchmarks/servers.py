@@ -68,81 +68,28 @@ class ServerSpec:
         return {"ours": "vlm-engine", "transformers": "transformers"}.get(self.kind, self.kind)
 
     def command(self, port: int) -> list[str]:
+        """Launcher and model first, then the flags every server shares, then its own."""
         d = self.model_dir
         if self.kind == "ours":
-            kv = ["--kv-cache-tokens", str(self.kv_tokens)] if self.kv_tokens else []
-            return [
-                sys.executable,
-                "-m",
-                "vlm_engine.cli",
-                "serve",
-                "--model",
-                d,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                self.dtype,
-                *kv,
-                *self.extra_args,
-            ]
-        if self.kind == "transformers":
+            launcher = [sys.executable, "-m", "vlm_engine.cli", "serve", "--model", d]
+            own = ["--kv-cache-tokens", str(self.kv_tokens)] if self.kv_tokens else []
+        elif self.kind == "transformers":
             tool = _venv_tool("transformers", PEER_VENV)
             if tool is None:
                 raise FileNotFoundError('`transformers` CLI not found: pip install "transformers[serving]"')
+            launcher = [tool, "serve", d, "--continuous-batching", "--device", "cpu"]
             blocks = -(-(self.kv_tokens or 65_536) // TRANSFORMERS_PAGE_TOKENS)
-            return [
-                tool,
-                "serve",
-                d,
-                "--continuous-batching",
-                "--device",
-                "cpu",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                self.dtype,
-                "--cb-num-blocks",
-                str(blocks),
-                *self.extra_args,
-            ]
-        if self.kind == "vllm":
-            tool = _venv_tool("vllm", PEER_VENV) or "vllm"
-            return [
-                tool,
-                "serve",
-                d,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                self.dtype,
-                "--served-model-name",
-                d,
-                *self.extra_args,
-            ]
-        if self.kind == "sglang":
-            return [
-                sys.executable,
-                "-m",
-                "sglang.launch_server",
-                "--model-path",
-                d,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--dtype",
-                self.dtype,
-                "--served-model-name",
-                d,
-                *self.extra_args,
-            ]
-        raise ValueError(f"unknown server kind {self.kind!r}; choose from {', '.join(KINDS)}")
+            own = ["--cb-num-blocks", str(blocks)]
+        elif self.kind == "vllm":
+            launcher = [_venv_tool("vllm", PEER_VENV) or "vllm", "serve", d]
+            own = ["--served-model-name", d]
+        elif self.kind == "sglang":
+            launcher = [sys.executable, "-m", "sglang.launch_server", "--model-path", d]
+            own = ["--served-model-name", d]
+        else:
+            raise ValueError(f"unknown server kind {self.kind!r}; choose from {', '.join(KINDS)}")
+        shared = ["--host", "127.0.0.1", "--port", str(port), "--dtype", self.dtype]
+        return [*launcher, *shared, *own, *self.extra_args]
 
 
 @dataclass(eq=False)  # identity semantics: instances live in a WeakSet

@@ -108,6 +108,12 @@ def user(text: str, *images: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": parts}]
 
 
+def raw_chat_stream(server: ServerProcess, body: dict[str, Any]) -> Any:
+    """A streaming chat request read with httpx, for what the SDK hides (raw SSE lines, early close)."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    return httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=60)
+
+
 def chat(client: openai.OpenAI, messages: Any, max_tokens: int = 8, **kw: Any) -> ChatCompletion:
     kw.setdefault("temperature", 0.0)
     return client.chat.completions.create(model="tiny-vlm", messages=messages, max_tokens=max_tokens, **kw)
@@ -165,13 +171,7 @@ def test_chat_streaming_with_usage_matches_non_streaming(server: ServerProcess, 
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream(
-        "POST",
-        server.base_url + "/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=60,
-    ) as resp:
+    with raw_chat_stream(server, body) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = sse_events(list(resp.iter_lines()))
@@ -477,13 +477,7 @@ def test_disconnect_aborts_and_frees_pages(server: ServerProcess) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    with httpx.stream(
-        "POST",
-        server.base_url + "/chat/completions",
-        json=body,
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=60,
-    ) as resp:
+    with raw_chat_stream(server, body) as resp:
         lines = resp.iter_lines()
         seen = [line for _, line in zip(range(6), lines)]
         assert any(line.startswith("data: ") for line in seen)
