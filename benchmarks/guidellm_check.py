@@ -1,22 +1,37 @@
-"""Cross-check our harness against guidellm (an independent client): same server, same request
-shape (P prompt tokens, O output tokens, closed loop at concurrency C, N requests), run one after
-the other, and print TTFT / ITL / throughput side by side with the % difference (target: within 10%).
+"""Cross-check our harness against guidellm (an independent client): same server, same requests
+(the same prompt texts and output lengths, in the same order), closed loop at concurrency C,
+N requests, run one after the other; prints TTFT / ITL / throughput side by side with the %
+difference (target: within 10%).
 
     python3.11 -m venv benchmarks/.guidellm-venv
     benchmarks/.guidellm-venv/bin/pip install "guidellm[vision]==0.8.1" "torch==2.13.0+cpu"
     .venv/bin/python benchmarks/guidellm_check.py                  # starts our server on SmolLM2
     .venv/bin/python benchmarks/guidellm_check.py --base-url http://127.0.0.1:8000 --model-dir DIR
 
-Metric mapping: guidellm's `inter_token_latency_ms` is per request (last token - first token) /
-(output - 1), weighted by output tokens; ours is computed the same way from the chunk arrival
-times (`RequestRecord.decode_itl`), with our TPOT and chunk-gap ITL printed beside it. guidellm sends `ignore_eos` (so output
-lengths are fixed on servers that honour it); ours does too for vlm-engine.
+Same requests: each repetition builds N requests with our workload code (a plain user message of
+~P tokens, an output length drawn from --output-tokens), sends them with our client, and gives
+guidellm the same list as a JSONL file (`prompt`, `output_tokens_count`), so neither client's
+prompt generator differs and guidellm does not synthesise prompts (with a tokenizer, in a worker
+process) while it measures. Output lengths vary by default: with one fixed length, a closed loop
+runs in lock-step waves, and whether a wave's prefills land inside the previous requests' decode
+depends on each client's start-up jitter of a few ms (measured: guidellm starts its first stream
+~15 ms before the other three; our engine prefills that one alone, then folds the other three's
+prefill into its decode, and its ITL reads 50 ms instead of 30 ms), which is client timing, not
+a measurement difference.
+
+Metric definitions follow guidellm's: per-request ITL = (last token - first token) / (output - 1),
+its mean and median weighted by (output - 1); medians take the first value whose cumulative
+weight reaches 0.5; throughput = completed requests (tokens) / wall time. guidellm sends
+`ignore_eos` and `max_completion_tokens` (output lengths are fixed on servers that honour them);
+ours sends `ignore_eos` and `max_tokens`. Our server's /metrics counters (steps and forward time
+per step) are recorded for each run, so a client that slows the server it measures shows up.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import os
@@ -24,8 +39,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -40,29 +58,74 @@ BENCH = Path(__file__).resolve().parent
 GUIDELLM = BENCH / ".guidellm-venv" / "bin" / "guidellm"
 
 
-def run_harness(
-    base_url: str, model: str, model_dir: str, args: argparse.Namespace, first_index: int
-) -> dict[str, float]:
+def build_requests(model: str, model_dir: str, args: argparse.Namespace, first_index: int) -> list[W.BenchRequest]:
     # "agent" with the shared prefix removed = one plain user message of ~P tokens, like guidellm's
     # synthetic_text; the fixed instruction head counts towards P.
     spec = W.workload_spec(
-        "agent",
-        shared_prefix_tokens=0,
-        user_tokens=args.prompt_tokens,
-        output_tokens=(args.output_tokens, args.output_tokens),
+        "agent", shared_prefix_tokens=0, user_tokens=args.prompt_tokens, output_tokens=args.output_tokens
     )
     factory = W.RequestFactory(W.text_only(spec), model, "vlm-engine", args.seed, SB.load_tokenizer(model_dir))
-    point = C.LoadPoint("closed", args.concurrency, args.num_requests, args.max_duration, args.request_timeout)
-    records, duration = asyncio.run(
-        C.run_point(base_url.rstrip("/") + "/v1/chat/completions", factory.build, point, args.seed, first_index)
+    return [factory.build(first_index + k) for k in range(args.num_requests)]
+
+
+def write_guidellm_data(requests: list[W.BenchRequest], path: Path) -> None:
+    """guidellm's column names: `prompt` becomes the user message, `output_tokens_count` its
+    max_completion_tokens (with ignore_eos)."""
+    with path.open("w") as f:
+        for r in requests:
+            (message,) = r.payload["messages"]
+            f.write(json.dumps({"prompt": message["content"], "output_tokens_count": r.output_tokens}) + "\n")
+
+
+def lower_quantile(values: list[float], weights: list[float], q: float) -> float:
+    """guidellm's percentile: the first sorted value whose cumulative weight share reaches q."""
+    if not values:
+        return math.nan
+    order = np.argsort(values)
+    v, w = np.asarray(values)[order], np.asarray(weights, dtype=np.float64)[order]
+    cdf = np.cumsum(w) / w.sum()
+    return float(v[min(int(np.searchsorted(cdf, q, side="left")), len(v) - 1)])
+
+
+def server_counters(base_url: str) -> dict[str, float]:
+    return C.scrape_metrics(base_url) or {}
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Steps and forward ms per step while one client ran (NaN for servers without our counters)."""
+    steps = after.get("vlm_steps_total", math.nan) - before.get("vlm_steps_total", math.nan)
+    forward = after.get("vlm_step_forward_seconds_total", math.nan) - before.get(
+        "vlm_step_forward_seconds_total", math.nan
     )
+    return {"server_steps": steps, "server_forward_ms_per_step": 1000 * forward / steps if steps else math.nan}
+
+
+def run_with_counters(base_url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
+    """One client run plus what happened around it: our server's step counters, and the client's
+    CPU seconds (this process for our client, its child process for guidellm)."""
+    before, cpu_before = server_counters(base_url), _client_cpu_s()
+    result = run()
+    result.update(counter_delta(before, server_counters(base_url)))
+    result.update(normalized(result))
+    result["client_cpu_s"] = _client_cpu_s() - cpu_before
+    return result
+
+
+def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Namespace) -> dict[str, float]:
+    by_index = {r.index: r for r in requests}
+    point = C.LoadPoint("closed", args.concurrency, len(requests), args.max_duration, args.request_timeout)
+    url = base_url.rstrip("/") + "/v1/chat/completions"
+    records, duration = asyncio.run(C.run_point(url, by_index.__getitem__, point, args.seed, requests[0].index))
     s = S.summarize(records, duration)
-    itl = S.Dist.of([r.decode_itl for r in records if r.ok])
+    ok = [r for r in records if r.ok and r.ttft is not None]
+    ttft_ms = [1000 * r.ttft for r in ok]
+    itl = [(1000 * r.decode_itl, r.output_tokens - 1) for r in ok if r.decode_itl is not None]
+    itl_ms, itl_weights = [v for v, _ in itl], [w for _, w in itl]
     return {
         "ttft_mean_ms": 1000 * s.ttft.mean,
-        "ttft_p50_ms": 1000 * s.ttft.p50,
-        "itl_mean_ms": 1000 * itl.mean,
-        "itl_p50_ms": 1000 * itl.p50,
+        "ttft_p50_ms": lower_quantile(ttft_ms, [1.0] * len(ttft_ms), 0.5),
+        "itl_mean_ms": float(np.average(itl_ms, weights=itl_weights)) if itl else math.nan,
+        "itl_p50_ms": lower_quantile(itl_ms, itl_weights, 0.5),
         "tpot_mean_ms": 1000 * s.tpot.mean,
         "tpot_p50_ms": 1000 * s.tpot.p50,
         "chunk_itl_mean_ms": 1000 * s.itl.mean,
@@ -76,7 +139,7 @@ def run_harness(
 
 
 def run_guidellm(
-    base_url: str, model: str, model_dir: str, args: argparse.Namespace, out_json: Path
+    base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace, out_json: Path
 ) -> dict[str, float]:
     cmd = [
         str(args.guidellm),
@@ -92,7 +155,7 @@ def run_guidellm(
         "--constraint",
         f"kind=max_duration,seconds={args.max_duration}",
         "--data",
-        f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+        f"kind=json_file,path={data}",
         "--seed",
         f"kind=static,value={args.seed}",
         "--output",
@@ -143,14 +206,23 @@ def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
 
 
 def split_cpus(shared: bool) -> tuple[set[int], set[int]]:
-    """Why split: on 2 cores guidellm's client used ~12 CPU-s per 24-request run (ours ~0.5 s) and
-    the server's own counters showed the same 390 steps taking 48 ms instead of 34 ms. Sharing
-    cores then compares two different server speeds, not two clients."""
+    """Why split: with shared cores guidellm's client (~12 CPU-s per 24-request run then, ours
+    ~0.5 s) took CPU from the server, whose counters showed the same 390 steps taking 48 ms instead
+    of 34 ms: two different server speeds, not two clients. Split, what remains is memory-system
+    contention: a batch-4 decode step takes ~30 ms instead of ~25 ms while guidellm runs on the
+    other core (prefill steps: +2%), as it does next to a process summing 64 MB every 2 ms (+9%),
+    but not next to a pure-Python busy loop (+0%)."""
     cpus = sorted(os.sched_getaffinity(0))
     if shared or len(cpus) < 2:
         return set(cpus), set(cpus)
     half = len(cpus) // 2
     return set(cpus[:half]), set(cpus[half:])
+
+
+def _client_cpu_s() -> float:
+    """User + system CPU seconds of this process and its finished children (guidellm runs)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def pct_diff(ours: float, ref: float) -> float:
@@ -167,12 +239,32 @@ COMPARED = (
     "prompt_tokens_mean",
     "output_tokens_mean",
 )
+NORMALIZED = ("itl_mean_per_step", "output_tokens_per_step")
 
 
-def comparison_table(ours: dict[str, float], ref: dict[str, float]) -> list[str]:
-    rows = ["| metric | our harness | guidellm | difference |", "|---|---|---|---|"]
+def normalized(run: dict[str, float]) -> dict[str, float]:
+    """The run's latency and throughput in units of the server's own step time in that run: what
+    is left of a client difference once the server's speed during each client's run is taken out."""
+    step_ms = run["server_forward_ms_per_step"]
+    return {
+        "itl_mean_per_step": run["itl_mean_ms"] / step_ms,
+        "output_tokens_per_step": run["output_tokens_per_s"] * step_ms / 1000,
+    }
+
+
+def pair_diffs(runs: dict[str, list[dict[str, float]]], key: str) -> list[float]:
+    """% difference harness vs guidellm within each repetition (both sent the same requests)."""
+    return [pct_diff(a[key], b[key]) for a, b in zip(runs["harness"], runs["guidellm"])]
+
+
+def comparison_table(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    """Medians over repetitions; the difference column is the median of the per-repetition
+    differences (each pair sent the same request list, so their throughputs are comparable)."""
+    med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]} for c in runs}
+    ours, ref = med["harness"], med["guidellm"]
+    rows = ["| metric | our harness | guidellm | difference (median of pairs) |", "|---|---|---|---|"]
     for key in COMPARED:
-        d = pct_diff(ours[key], ref[key])
+        d = statistics.median(pair_diffs(runs, key))
         flag = "" if not math.isfinite(d) or key.endswith("tokens_mean") else (" ok" if abs(d) <= 10 else " **>10%**")
         rows.append(f"| {key} | {ours[key]:.2f} | {ref[key]:.2f} | {d:+.1f}%{flag} |")
     rows.append(
@@ -181,15 +273,37 @@ def comparison_table(ours: dict[str, float], ref: dict[str, float]) -> list[str]
     rows.append(
         f"| (ours: TPOT incl. stream tail, mean / p50, ms) | {ours['tpot_mean_ms']:.2f} / {ours['tpot_p50_ms']:.2f} | | |"
     )
+    rows.append(
+        f"| (client CPU-s per run; guidellm's includes its start-up) | {ours['client_cpu_s']:.1f}"
+        f" | {ref['client_cpu_s']:.1f} | |"
+    )
+    rows.append(f"| server steps per run | {ours['server_steps']:.0f} | {ref['server_steps']:.0f} | |")
+    for key in ("server_forward_ms_per_step", *NORMALIZED):
+        d = statistics.median(pair_diffs(runs, key))
+        rows.append(f"| {key} | {ours[key]:.3f} | {ref[key]:.3f} | {d:+.1f}% |")
     return rows
 
 
 def pair_rows(runs: dict[str, list[dict[str, float]]]) -> list[str]:
-    keys = ("ttft_p50_ms", "itl_p50_ms", "itl_mean_ms", "requests_per_s", "output_tokens_per_s")
-    rows = ["| rep | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+    keys = (
+        "ttft_p50_ms",
+        "itl_p50_ms",
+        "itl_mean_ms",
+        "output_tokens_per_s",
+        "server_forward_ms_per_step",
+        "itl_mean_per_step",
+    )
+    rows = ["| rep | first | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for rep, (a, b) in enumerate(zip(runs["harness"], runs["guidellm"])):
-        rows.append(f"| {rep} | " + " | ".join(f"{pct_diff(a[k], b[k]):+.1f}%" for k in keys) + " |")
+        first = "guidellm" if _guidellm_first(rep) else "harness"
+        rows.append(f"| {rep} | {first} | " + " | ".join(f"{pct_diff(a[k], b[k]):+.1f}%" for k in keys) + " |")
     return rows
+
+
+def _guidellm_first(rep: int) -> bool:
+    """ABBA order (harness first in even repetitions, guidellm first in odd ones), so a slow drift
+    of the machine's speed over the check does not favour whichever client always runs first."""
+    return rep % 2 == 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,10 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="request `model` field (default: /v1/models, else the dir)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3, help="alternating repetitions (harness, guidellm, ...)")
+    p.add_argument(
+        "--output-tokens",
+        type=SB._range,
+        default=(32, 96),
+        help="N or MIN:MAX, drawn per request (default 32:96; see the docstring for why not one fixed N)",
+    )
+    p.add_argument(
+        "--reps", type=int, default=4, help="repetitions, each a harness run and a guidellm run (ABBA order)"
+    )
     p.add_argument("--max-duration", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
@@ -231,13 +352,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def measure(base_url: str) -> dict[str, Any]:
         model = args.model or C.served_model_id(base_url) or model_dir
-        run_harness(
-            base_url, model, model_dir, argparse.Namespace(**{**vars(args), "num_requests": args.concurrency}), 10_000
-        )
+        warm_up = argparse.Namespace(**{**vars(args), "num_requests": args.concurrency})
+        run_harness(base_url, build_requests(model, model_dir, warm_up, 100_000), args)
         runs: dict[str, list[dict[str, float]]] = {"harness": [], "guidellm": []}
         for rep in range(args.reps):
-            runs["harness"].append(run_harness(base_url, model, model_dir, args, 1000 * rep))
-            runs["guidellm"].append(run_guidellm(base_url, model, model_dir, args, out / f"guidellm-{rep}.json"))
+            # One request list per repetition, sent by both clients (our server's prefix cache
+            # is off for the check, so the second client gains nothing from the repeat).
+            requests = build_requests(model, model_dir, args, 1000 * rep)
+            data = out / f"requests-{rep}.jsonl"
+            write_guidellm_data(requests, data)
+            clients = {
+                "harness": functools.partial(run_harness, base_url, requests, args),
+                "guidellm": functools.partial(
+                    run_guidellm, base_url, model, model_dir, data, args, out / f"guidellm-{rep}.json"
+                ),
+            }
+            order = ("guidellm", "harness") if _guidellm_first(rep) else ("harness", "guidellm")
+            for name in order:
+                runs[name].append(run_with_counters(base_url, clients[name]))
             (out / "runs.json").write_text(json.dumps(runs, indent=1))  # kept if a later rep times out
         return runs
 
@@ -254,19 +386,12 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, client_cpus)
             print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
             runs = measure(server.base_url)
-    # Medians over repetitions, and each repetition's pair (harness, then guidellm right after it)
-    # on its own: on a shared machine the load drifts between pairs more than within one.
-    ours = {k: statistics.median(r[k] for r in runs["harness"]) for k in runs["harness"][0]}
-    ref = {k: statistics.median(r[k] for r in runs["guidellm"]) for k in runs["guidellm"][0]}
-    rows = comparison_table(ours, ref) + [
-        "",
-        "Per repetition (harness vs guidellm run right after it), % difference:",
-        "",
-    ]
+    rows = comparison_table(runs) + ["", "Per repetition (harness vs guidellm, same requests), % difference:", ""]
     rows += pair_rows(runs)
+    lo, hi = args.output_tokens
     header = (
         f"guidellm check: {Path(model_dir).name}, closed loop concurrency {args.concurrency}, "
-        f"{args.num_requests} requests x {args.reps}, ~{args.prompt_tokens} prompt / {args.output_tokens} output tokens"
+        f"{args.num_requests} requests x {args.reps}, ~{args.prompt_tokens} prompt / {lo}-{hi} output tokens"
     )
     text = "\n".join([header, "", *rows]) + "\n"
     (out / "comparison.md").write_text(text)
@@ -275,8 +400,6 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "config": {**vars(args), "guidellm": str(args.guidellm), "out": str(out)},
                 "runs": runs,
-                "harness": ours,
-                "guidellm": ref,
             },
             indent=1,
             default=str,

@@ -4,6 +4,7 @@ serve_bench against our real server with the tiny checkpoint."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import io
@@ -12,6 +13,7 @@ import json
 import math
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ sys.path.insert(0, str(BENCH))
 
 import client as C
 import compare
+import guidellm_check as GC
 import roofline as R
 import servers
 import stats as S
@@ -490,6 +493,89 @@ def test_connection_errors_become_records_not_exceptions() -> None:
     point = C.LoadPoint("closed", 2, 2, 10.0, 5.0)
     records, _ = asyncio.run(C.run_point("http://127.0.0.1:9/v1/chat/completions", factory.build, point))
     assert len(records) == 2 and all(r.error for r in records)
+
+
+# ---- guidellm check ----------------------------------------------------------------------------------------
+
+
+def test_guidellm_quantile_is_the_first_value_reaching_the_weight_share() -> None:
+    assert GC.lower_quantile([40.0, 10.0, 30.0, 20.0], [1, 1, 1, 1], 0.5) == 20.0
+    assert GC.lower_quantile([10.0, 20.0, 30.0], [1, 1, 10], 0.5) == 30.0
+    assert math.isnan(GC.lower_quantile([], [], 0.5))
+
+
+def test_guidellm_is_given_our_requests_as_jsonl(tmp_path: Path) -> None:
+    spec = W.workload_spec("agent", shared_prefix_tokens=0, user_tokens=40, output_tokens=(8, 40))
+    factory = W.RequestFactory(W.text_only(spec), "m")
+    requests = [factory.build(i) for i in range(6)]
+    path = tmp_path / "requests.jsonl"
+    GC.write_guidellm_data(requests, path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # guidellm's column mapper takes `prompt` as the user message and `output_tokens_count` as its length.
+    assert [set(r) for r in rows] == [{"prompt", "output_tokens_count"}] * 6
+    assert [r["prompt"] for r in rows] == [q.payload["messages"][0]["content"] for q in requests]
+    assert [r["output_tokens_count"] for r in rows] == [q.output_tokens for q in requests]
+    assert len({r["output_tokens_count"] for r in rows}) > 1
+
+
+def test_harness_run_uses_guidellm_definitions_against_a_streaming_server() -> None:
+    spec = W.workload_spec("agent", shared_prefix_tokens=0, user_tokens=40, output_tokens=(4, 4))
+    requests = [W.RequestFactory(W.text_only(spec), "m").build(100 + i) for i in range(6)]
+    args = argparse.Namespace(concurrency=2, max_duration=60.0, request_timeout=30.0, seed=0)
+    state = {"active": 0, "peak": 0, "requests": 0}
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(_fake_server(4, 0.01, state))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.sockets[0].getsockname()[1]
+        result = GC.run_harness(f"http://127.0.0.1:{port}", requests, args)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    assert state["requests"] == 6 and state["peak"] == 2 and result["errors"] == 0
+    assert result["output_tokens_mean"] == 4 and result["prompt_tokens_mean"] == 10
+    assert result["itl_mean_ms"] == pytest.approx(10, abs=8) and result["itl_p50_ms"] > 0
+    assert result["output_tokens_per_s"] == pytest.approx(4 * result["requests_per_s"])
+
+
+def _check_run(itl_ms: float, tok_s: float, step_ms: float) -> dict[str, float]:
+    run = {key: 1.0 for key in GC.COMPARED} | {"chunk_itl_mean_ms": 1.0, "chunk_itl_p50_ms": 1.0}
+    run |= {"tpot_mean_ms": 1.0, "tpot_p50_ms": 1.0, "client_cpu_s": 0.5, "server_steps": 100}
+    run |= {"itl_mean_ms": itl_ms, "output_tokens_per_s": tok_s, "server_forward_ms_per_step": step_ms}
+    return run | GC.normalized(run)
+
+
+def test_comparison_takes_per_pair_differences_and_normalises_by_server_speed() -> None:
+    # The server ran 20% slower during guidellm's runs; guidellm's ITL is 20% higher with it.
+    runs = {
+        "harness": [_check_run(40.0, 100.0, 50.0), _check_run(44.0, 90.0, 55.0)],
+        "guidellm": [_check_run(48.0, 100 / 1.2, 60.0), _check_run(52.8, 75.0, 66.0)],
+    }
+    rows = GC.comparison_table(runs)
+    itl = next(r for r in rows if r.startswith("| itl_mean_ms "))
+    assert itl.endswith("| -16.7% **>10%** |")
+    per_step = next(r for r in rows if r.startswith("| itl_mean_per_step "))
+    assert per_step.endswith("| +0.0% |")
+    assert "| 1 | guidellm |" in "\n".join(GC.pair_rows(runs))  # ABBA: the second pair starts with guidellm
+    assert math.isnan(GC.counter_delta({}, {})["server_forward_ms_per_step"])  # a server without our counters
+
+
+def test_guidellm_report_is_read_from_its_successful_requests() -> None:
+    def dist(mean: float, median: float) -> dict[str, Any]:
+        return {"successful": {"mean": mean, "median": median}, "errored": {"mean": 999.0}}
+
+    metrics = {
+        "time_to_first_token_ms": dist(100.0, 90.0),
+        "inter_token_latency_ms": dist(20.0, 19.0),
+        "requests_per_second": dist(1.5, 1.4),
+        "output_tokens_per_second": dist(96.0, 95.0),
+        "prompt_token_count": dist(280.0, 280.0),
+        "output_token_count": dist(64.0, 64.0),
+        "request_totals": {"errored": 0},
+    }
+    got = GC.parse_guidellm({"benchmarks": [{"metrics": metrics}]})
+    assert (got["ttft_p50_ms"], got["itl_mean_ms"], got["requests_per_s"], got["errors"]) == (90.0, 20.0, 1.5, 0.0)
 
 
 # ---- smoke: serve_bench against our server --------------------------------------------------------------------
