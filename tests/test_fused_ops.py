@@ -77,6 +77,21 @@ def test_silu_and_mul_matches_torch(ops) -> None:
     ulp_close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
+def test_argmax_rows_matches_torch_argmax(ops) -> None:
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(37, 1000, generator=g)  # vocab not a multiple of the 256 block
+    logits[3, [10, 700, 999]] = 50.0  # ties: the first index wins
+    logits[4] = float("-inf")
+    logits[5, 600] = float("nan")  # NaN counts as the maximum, as in torch
+    logits[5, 900] = float("nan")
+    logits[6, 999] = 9.0  # maximum in the last, partial block
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
+    wide = torch.randn(4, 1200, generator=g)[:, :1100]  # rows further apart than the vocab
+    assert torch.equal(ops.argmax_rows(wide), wide.argmax(dim=-1))
+    with pytest.raises(RuntimeError):
+        ops.argmax_rows(logits.to(BF16))
+
+
 def test_ops_reject_fp32(ops) -> None:
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=BF16), 1e-6)

@@ -90,7 +90,8 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         requests = [c.request for c in inputs.sample_chunks]
-        tokens = sample(logits.cpu(), [r.sampling for r in requests], [self._generator(r) for r in requests])
+        argmax = self.fused_ops.argmax_rows if self.fused_ops is not None else None
+        tokens = sample(logits.cpu(), [r.sampling for r in requests], [self._generator(r) for r in requests], argmax)
         return {r.request_id: t for r, t in zip(requests, tokens)}
 
     # ---- inputs ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +17,16 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    argmax: ArgmaxFn | None = None,  # row argmax with torch.argmax's result (the C++ one is faster)
 ) -> list[SampledToken]:
-    tokens = _choose(logits, params, generators)
+    tokens = _choose(logits, params, generators, argmax)
     results = [SampledToken(t) for t in tokens]
     wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
     if wants_logprobs:
@@ -36,8 +41,14 @@ def sample(
     return results
 
 
-def _choose(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    tokens = logits.argmax(dim=-1).tolist()  # one host sync for the whole batch
+def _choose(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    argmax: ArgmaxFn | None,
+) -> list[int]:
+    # One host sync for the whole batch.
+    tokens = (argmax(logits) if argmax is not None else logits.argmax(dim=-1)).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
