@@ -300,12 +300,17 @@ def engine_decode_step(
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from vlm_engine import Engine, SamplingParams
 
+    max_batched = max(2048, context + 16)
+    # Early-admitted sequences decode while later ones are still in prefill: give every sequence
+    # enough tokens that none finishes during the measured steps (all of them must be full batches).
+    prefill_steps = -(-batch * context // max_batched)
+    max_tokens = prefill_steps + steps + 8
     engine = Engine(
         model,
         dtype=dtype,
         max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, context + 16),
-        kv_cache_tokens=batch * (context + steps + 64) + 1024,
+        max_num_batched_tokens=max_batched,
+        kv_cache_tokens=batch * (context + max_tokens) + 1024,
         attention_backend=attention_backend,
     )
     vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
@@ -313,7 +318,7 @@ def engine_decode_step(
     engine.generate(
         [[5 + j for j in range(32)]] * min(batch, 4), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     )
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         # Distinct token ids per sequence: no prefix-cache sharing, every sequence pays its own KV.
         ids = [(7 + i * 131 + j * 17) % max(vocab - 1, 2) + 1 for j in range(context)]
@@ -322,22 +327,25 @@ def engine_decode_step(
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
     ):
         engine.step()
-    totals, forwards = [], []
+    totals, forwards, batch_sizes = [], [], []
     for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - t)
-        if engine.last_step.num_seqs == batch:
-            forwards.append(engine.last_step.forward_s)
+        forwards.append(engine.last_step.forward_s)
+        batch_sizes.append(engine.last_step.num_seqs)
+    if any(n != batch for n in batch_sizes):
+        raise RuntimeError(f"measured steps ran {batch_sizes} sequences, not {batch} each")
     totals.sort()
     forwards.sort()
     return {
         "model_dir": str(engine.source.directory),
         "dtype": str(engine.dtype).replace("torch.", ""),
         "batch": batch,
-        "context": context + steps / 2,
+        "context": context + (prefill_steps - 1) / 2 + steps / 2,  # mean KV length while measured
         "step_s": totals[len(totals) // 2],
-        "forward_s": forwards[len(forwards) // 2] if forwards else None,
+        "forward_s": forwards[len(forwards) // 2],
+        "batch_sizes": batch_sizes,
     }
 
 

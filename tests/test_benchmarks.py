@@ -328,6 +328,14 @@ def test_roofline_fractions_and_line(tmp_path: Path) -> None:
     assert "n/a" in R.roofline_line(tmp_path, 1, 1, 0.1, "float32", "x", machine)  # no checkpoint there
 
 
+def test_engine_decode_step_measures_only_full_batches(tiny_vlm_dir: Path) -> None:
+    # 16 x 600 prompt tokens take 5 prefill steps of 2,048: the first-admitted sequences decode
+    # meanwhile and must not finish before the measured steps end.
+    m = R.engine_decode_step(str(tiny_vlm_dir), "float32", batch=16, context=600, steps=4)
+    assert m["batch_sizes"] == [16] * 4 and 0 < m["forward_s"] <= m["step_s"]
+    assert 600 < m["context"] < 620
+
+
 def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 

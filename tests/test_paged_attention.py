@@ -314,6 +314,29 @@ def test_input_validation(ext):
         ext.paged_attention(q[:, :8], kc, vc, bt, sl, qsl, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_index_copy_on_strided_views(ext, dtype):
+    from vlm_engine.runner.attention.base import store_kv
+
+    g = torch.Generator().manual_seed(13)
+    T, Hkv, D = 37, 3, 64
+    qkv = torch.randn(T, (9 + 2 * Hkv) * D, generator=g).to(dtype)  # k/v: strided views, as in the model
+    k = qkv[:, 9 * D : (9 + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (9 + Hkv) * D :].view(T, Hkv, D)
+    slots = torch.randperm(20 * 16, generator=g)[:T]
+    expected = (torch.zeros(20, 16, Hkv, D, dtype=dtype), torch.zeros(20, 16, Hkv, D, dtype=dtype))
+    store_kv(k, v, expected, slots)
+    k_cache, v_cache = torch.zeros_like(expected[0]), torch.zeros_like(expected[1])
+    ext.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected[0]) and torch.equal(v_cache, expected[1])
+    bad = slots.clone()
+    bad[3] = 20 * 16
+    with pytest.raises(RuntimeError, match="out of range"):
+        ext.store_kv(k, v, k_cache, v_cache, bad)
+    with pytest.raises(RuntimeError, match="int64"):
+        ext.store_kv(k, v, k_cache, v_cache, slots.int())
+
+
 # --------------------------------------------------------------------------------------------
 # loading
 # --------------------------------------------------------------------------------------------

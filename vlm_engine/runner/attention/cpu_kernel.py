@@ -144,6 +144,13 @@ def load_paged_attention() -> Callable | None:
     return None if mod is None else mod.paged_attention
 
 
+@functools.cache
+def load_store_kv() -> Callable | None:
+    """The extension's ``store_kv(k, v, k_cache, v_cache, slot_mapping)``, or ``None``."""
+    mod = load_extension_module()
+    return None if mod is None else mod.store_kv
+
+
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
     """Fused op if available, else the torch reference (same contract)."""
     op = load_paged_attention()

@@ -848,6 +848,50 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return o;
 }
 
+// The step's new K/V rows into their cache slots: k_cache.view(-1, Hkv, D)[slot_mapping[t]] = k[t]
+// (and the same for v), as store_kv() in base.py does with two index_copy_ calls; those cost
+// ~30 us each per layer at decode batch 64, this a few. k/v may be strided views into the
+// fused qkv projection's output.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must be [T, Hkv, D] of one shape");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "k_cache/v_cache must be [P, S, Hkv, D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v heads or head_dim differ from the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k/v must have a contiguous last dim");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k/v and cache dtypes differ");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "store_kv runs on CPU tensors");
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.is_contiguous() && slot_mapping.size(0) == k.size(0),
+              "slot_mapping must be a contiguous int64 [T] CPU tensor");
+  const int64_t T = k.size(0), H = k.size(1), D = k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t row_bytes = D * static_cast<int64_t>(k.element_size());
+  const int64_t slot_elems = H * D;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot_mapping[", t, "]=", slots[t], " out of range");
+  }
+  const int64_t esz = k.element_size();
+  const int64_t k_st = k.stride(0), k_sh = k.stride(1), v_st = v.stride(0), v_sh = v.stride(1);
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t dst = slots[t] * slot_elems * esz;
+      for (int64_t h = 0; h < H; ++h) {
+        std::memcpy(kc + dst + h * row_bytes, kp + (t * k_st + h * k_sh) * esz, row_bytes);
+        std::memcpy(vc + dst + h * row_bytes, vp + (t * v_st + h * v_sh) * esz, row_bytes);
+      }
+    }
+  });
+}
+
 std::string build_info() {
   std::string s = "avx512=";
   s += PA_AVX512 ? "1" : "0";
@@ -867,5 +911,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv", &store_kv, "Write the step's K/V rows into their cache slots", py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info, "Compile-time ISA features of this build");
 }
