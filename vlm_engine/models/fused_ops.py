@@ -1,7 +1,8 @@
 """Fused bf16 element-wise ops for the CPU decoder (C++, built on first use like the attention op).
 
 `load_fused_ops()` returns the extension module with `rms_norm`, `add_rms_norm_`, `rotary_`,
-`silu_and_mul` and `argmax_rows` (see csrc/fused_ops.cpp), or None where it cannot be built or does not apply.
+`silu_and_mul` and `argmax_rows` (see csrc/fused_ops.cpp), or None where it cannot be built or
+does not apply.
 The torch code in `vlm_engine.models.layers` stays the reference and the fp32 path: fp32 is
 the mode that must match Transformers token for token, so it keeps Transformers' exact ops.
 """
