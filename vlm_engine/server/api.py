@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,11 @@ def _from_engine_error(err: ipc.RequestError) -> JSONResponse:
     return _error_response(err.status, err.message, err.type, err.param, err.code)
 
 
+# How often a non-streaming handler checks that its client is still connected (cheap: a
+# non-blocking look at the ASGI receive channel).
+DISCONNECT_POLL_S = 0.1
+
+
 @dataclass
 class _Choice:
     """What one choice has produced so far."""
@@ -107,6 +113,7 @@ class Generation:
         self.choices = [_Choice() for _ in range(parsed.num_choices)]
         self.handle: RequestHandle = state.client.submit(request_id, parsed)
         self.unfinished = set(self.handle.engine_ids)
+        self._next_disconnect_check = 0.0  # time.monotonic() of the next connection check
 
     def abort(self) -> None:
         if self.unfinished:
@@ -131,21 +138,29 @@ class Generation:
             raise
 
     async def _next_or_disconnect(self) -> Any | None:
-        """The next result, or None once the client has disconnected."""
+        """The next result, or None once the client has disconnected. The connection is checked
+        at least every DISCONNECT_POLL_S, also while results keep arriving: a non-streaming client
+        that gives up mid-generation must not keep its request decoding to max_tokens."""
         queue = self.handle.queue
+        if time.monotonic() >= self._next_disconnect_check and await self._client_gone():
+            return None
         if not queue.empty():
             return queue.get_nowait()
         getter = asyncio.ensure_future(queue.get())
         try:
             while True:
-                done, _ = await asyncio.wait({getter}, timeout=1.0)
+                done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
                 if done:
                     return getter.result()
-                if await self.http.is_disconnected():
+                if await self._client_gone():
                     return None
         finally:
             if not getter.done():
                 getter.cancel()
+
+    async def _client_gone(self) -> bool:
+        self._next_disconnect_check = time.monotonic() + DISCONNECT_POLL_S
+        return await self.http.is_disconnected()
 
     def _apply(self, item: Any) -> ipc.RequestError | None:
         """Record a result; returns an error that ends the whole request, if it is one."""
