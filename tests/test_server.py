@@ -512,8 +512,28 @@ def test_metrics_endpoint(server: ServerProcess) -> None:
     text = httpx.get(server.url + "/metrics").text
     assert "# TYPE vlm_kv_pages_used gauge" in text
     metrics = server.metrics()
-    assert metrics["vlm_kv_pages_total"] == 16384 // 16
-    assert metrics["vlm_generation_tokens_total"] > 0 and metrics["vlm_healthy"] == 1
+    assert metrics["vlm_kv_pages_total"] == 16384 // 16 and metrics["vlm_healthy"] == 1
+
+    # Latency histograms: one more 12-token request adds one TTFT, one e2e and one queue-time
+    # sample and 11 inter-token gaps; buckets are cumulative and end at the count.
+    names = {
+        "ttft": "vlm_time_to_first_token_seconds",
+        "itl": "vlm_inter_token_latency_seconds",
+        "e2e": "vlm_e2e_request_latency_seconds",
+        "queue": "vlm_request_queue_time_seconds",
+    }
+    assert all(f"# TYPE {name} histogram" in text for name in names.values())
+    body = {"model": "tiny-vlm", "messages": user("Count."), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    assert raw_post(server, "/chat/completions", body).status_code == 200
+    assert _wait_metric(server, "vlm_requests_running", 0)
+    after = server.metrics()
+    assert after["vlm_generation_tokens_total"] - metrics["vlm_generation_tokens_total"] == 12
+    added = {key: after[f"{name}_count"] - metrics[f"{name}_count"] for key, name in names.items()}
+    assert added == {"ttft": 1, "itl": 11, "e2e": 1, "queue": 1}
+    for name in names.values():
+        buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count"]
+        assert after[f"{name}_sum"] >= 0
 
 
 def test_sigterm_leaves_no_child_process(server: ServerProcess) -> None:

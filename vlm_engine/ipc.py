@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from vlm_engine.metrics.histogram import REQUEST_BUCKETS, Histogram
 from vlm_engine.sampling_params import SamplingParams
 
 
@@ -159,6 +160,8 @@ class CoreStats(msgspec.Struct, array_like=True):
     schedule_s: float = 0.0  # cumulative host time in schedule()
     forward_s: float = 0.0
     update_s: float = 0.0
+    # Arrival in the core's queue (after preprocessing) to first scheduled, per engine request.
+    queue_time: Histogram = msgspec.field(default_factory=lambda: Histogram.with_bounds(REQUEST_BUCKETS))
 
 
 class RequestError(Message):

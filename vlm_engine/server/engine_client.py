@@ -17,6 +17,7 @@ import zmq
 import zmq.asyncio
 
 from vlm_engine import ipc
+from vlm_engine.metrics.latency import RequestLatencies
 from vlm_engine.server.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class EngineClient:
         self.core_info: ipc.CoreReady | None = None
         self.ready_workers: set[int] = set()
         self.stats = ipc.CoreStats()
+        self.latencies = RequestLatencies()
         self._receiver: asyncio.Task | None = None
 
     def _push(self, address: str) -> zmq.Socket:
@@ -92,6 +94,7 @@ class EngineClient:
         handle = RequestHandle(request_id, ids)
         for rid in ids:
             self.routes[rid] = handle
+            self.latencies.start(rid)
         for p, prompt in enumerate(request.prompts):
             worker = min(range(self.num_workers), key=self.outstanding.__getitem__)
             self.outstanding[worker] += 1
@@ -110,6 +113,8 @@ class EngineClient:
     def abort(self, engine_ids: list[str]) -> None:
         """Forget the ids here and ask the core to drop them (non-blocking; safe during cancellation)."""
         live = [rid for rid in engine_ids if self.routes.pop(rid, None) is not None]
+        for rid in engine_ids:
+            self.latencies.drop(rid)
         if live:
             self.to_core.send_multipart(ipc.encode(ipc.Abort(live)))
 
@@ -118,6 +123,7 @@ class EngineClient:
         ids = list(self.routes)
         for rid in ids:
             handle = self.routes.pop(rid)
+            self.latencies.drop(rid)
             handle.queue.put_nowait(ipc.RequestError(rid, status, message, type))
         if ids:
             try:
@@ -141,6 +147,7 @@ class EngineClient:
             for delta in msg.deltas:
                 handle = self.routes.get(delta.request_id)
                 if handle is not None:
+                    self.latencies.on_result(delta.request_id, delta.completion_tokens, delta.finished)
                     handle.queue.put_nowait(delta)
                     if delta.finished:
                         del self.routes[delta.request_id]
@@ -160,6 +167,7 @@ class EngineClient:
             self.ready_workers.add(msg.worker)
 
     def _route_error(self, err: ipc.RequestError) -> None:
+        self.latencies.drop(err.request_id)
         handle = self.routes.pop(err.request_id, None)
         if handle is not None:
             handle.queue.put_nowait(err)

@@ -179,6 +179,7 @@ class EngineCore:
 
     def _step(self) -> None:
         t0 = time.perf_counter()
+        scheduled_after = time.monotonic()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             # Nothing fits right now (transient); wait briefly for an abort instead of spinning.
@@ -225,6 +226,10 @@ class EngineCore:
         s.schedule_s += t1 - t0
         s.forward_s += t2 - t1
         s.update_s += t3 - t2
+        for chunk in plan.chunks:  # requests scheduled for the first time in this step
+            first = chunk.request.first_scheduled_time
+            if first is not None and first >= scheduled_after:
+                s.queue_time.observe(first - chunk.request.arrival_time)
         self._dirty = True
 
     def _fail_batch(self, plan: Any, exc: Exception) -> None:

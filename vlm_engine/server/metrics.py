@@ -1,4 +1,5 @@
-"""`GET /metrics` in the Prometheus text format, from the engine core's latest published stats."""
+"""`GET /metrics` in the Prometheus text format: the engine core's latest published stats (counters,
+gauges, the queue-time histogram) and the API process's own latency histograms (TTFT, ITL, e2e)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,14 @@ def render_metrics(state: Any) -> str:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} {kind}")
         lines.append(f"{name} {get(stats, client)}")
+    latencies = client.latencies
+    for name, histogram, help_text in (
+        ("vlm_time_to_first_token_seconds", latencies.ttft, "Request accepted to first token, as the API saw it"),
+        ("vlm_inter_token_latency_seconds", latencies.itl, "Gap between output tokens, as the API saw it"),
+        ("vlm_e2e_request_latency_seconds", latencies.e2e, "Request accepted to last token"),
+        ("vlm_request_queue_time_seconds", stats.queue_time, "Waiting in the engine core before first scheduled"),
+    ):
+        lines += histogram.prometheus_lines(name, help_text)
     lines.append("# HELP vlm_healthy 1 when the server is ready and serving")
     lines.append("# TYPE vlm_healthy gauge")
     lines.append(f"vlm_healthy {int(state.healthy)}")

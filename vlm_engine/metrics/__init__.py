@@ -1,0 +1,1 @@
+"""Latency metrics: Prometheus-style histograms and the per-request latencies the server exports."""
