@@ -1,7 +1,7 @@
 """Cross-check our harness against guidellm (an independent client): same server, same requests
 (the same prompt texts and output lengths, in the same order), closed loop at concurrency C,
-N requests, run one after the other; prints TTFT / ITL / throughput side by side with the %
-difference (target: within 10%).
+N requests, run one after the other (or, with --simultaneous, both at once); prints TTFT / ITL /
+throughput side by side with the % difference (target: within 10%).
 
     python3.11 -m venv benchmarks/.guidellm-venv
     benchmarks/.guidellm-venv/bin/pip install "guidellm[vision]==0.8.1" "torch==2.13.0+cpu"
@@ -25,6 +25,8 @@ weight reaches 0.5; throughput = completed requests (tokens) / wall time. guidel
 `ignore_eos` and `max_completion_tokens` (output lengths are fixed on servers that honour them);
 ours sends `ignore_eos` and `max_tokens`. Our server's /metrics counters (steps and forward time
 per step) are recorded for each run, so a client that slows the server it measures shows up.
+On this 2-vCPU machine guidellm does (the server's decode steps run 8-11% slower while it runs on
+the other core); --simultaneous makes both clients measure the same server steps instead.
 """
 
 from __future__ import annotations
@@ -138,9 +140,9 @@ def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Na
     }
 
 
-def run_guidellm(
+def start_guidellm(
     base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace, out_json: Path
-) -> dict[str, float]:
+) -> subprocess.Popen[bytes]:
     cmd = [
         str(args.guidellm),
         "run",
@@ -173,10 +175,58 @@ def run_guidellm(
         "TOKENIZERS_PARALLELISM": "false",
         "PATH": "/usr/bin:/bin",
     }
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.max_duration + 600)
-    if proc.returncode != 0 or not out_json.exists():
-        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    out_json.unlink(missing_ok=True)
+    log = out_json.with_suffix(".log").open("wb")  # a file, not a pipe: nobody reads it while it runs
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_guidellm(proc: subprocess.Popen[bytes], out_json: Path, timeout_s: float) -> dict[str, float]:
+    try:
+        code = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if code != 0 or not out_json.exists():
+        log = out_json.with_suffix(".log").read_text(errors="replace")
+        raise RuntimeError(f"guidellm failed ({code}):\n{log[-4000:]}")
     return parse_guidellm(json.loads(out_json.read_text()))
+
+
+def run_guidellm(
+    base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace, out_json: Path
+) -> dict[str, float]:
+    proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
+    return finish_guidellm(proc, out_json, args.max_duration + 600)
+
+
+def run_simultaneous(
+    base_url: str,
+    model: str,
+    model_dir: str,
+    requests: list[W.BenchRequest],
+    data: Path,
+    args: argparse.Namespace,
+    out_json: Path,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Both clients at once, each with the same request list at `--concurrency`: they measure the
+    very same server steps, so any slowdown either client causes is shared. Ours starts when
+    guidellm's first request is in (its own start-up takes seconds)."""
+    before = server_counters(base_url)
+    proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
+    deadline = time.monotonic() + 300
+    while server_counters(base_url).get("vlm_requests_inflight", 0) < 1:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            finish_guidellm(proc, out_json, 10)  # raises with its log
+            raise RuntimeError("guidellm ended before sending a request")
+        time.sleep(0.01)
+    harness = run_harness(base_url, requests, args)
+    reference = finish_guidellm(proc, out_json, args.max_duration + 600)
+    shared = counter_delta(before, server_counters(base_url))
+    for result in (harness, reference):
+        result.update(shared)
+        result.update(normalized(result))
+        result["client_cpu_s"] = math.nan  # not separable: both clients ran at once
+    return harness, reference
 
 
 def _dist(metrics: dict[str, Any], name: str, stat: str) -> float:
@@ -284,7 +334,7 @@ def comparison_table(runs: dict[str, list[dict[str, float]]]) -> list[str]:
     return rows
 
 
-def pair_rows(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+def pair_rows(runs: dict[str, list[dict[str, float]]], simultaneous: bool = False) -> list[str]:
     keys = (
         "ttft_p50_ms",
         "itl_p50_ms",
@@ -295,7 +345,7 @@ def pair_rows(runs: dict[str, list[dict[str, float]]]) -> list[str]:
     )
     rows = ["| rep | first | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for rep, (a, b) in enumerate(zip(runs["harness"], runs["guidellm"])):
-        first = "guidellm" if _guidellm_first(rep) else "harness"
+        first = "(together)" if simultaneous else "guidellm" if _guidellm_first(rep) else "harness"
         rows.append(f"| {rep} | {first} | " + " | ".join(f"{pct_diff(a[k], b[k]):+.1f}%" for k in keys) + " |")
     return rows
 
@@ -341,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
         help="leave our server's prefix cache on (off by default: guidellm repeats its prompts in every"
         " repetition while ours sends fresh ones, so cache hits would differ between the clients)",
     )
+    p.add_argument(
+        "--simultaneous",
+        action="store_true",
+        help="run both clients at the same time, each with the request list at --concurrency (the server"
+        " sees twice the load), so both measure the same server steps; default: one after the other",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.guidellm.exists():
@@ -361,15 +417,19 @@ def main(argv: list[str] | None = None) -> int:
             requests = build_requests(model, model_dir, args, 1000 * rep)
             data = out / f"requests-{rep}.jsonl"
             write_guidellm_data(requests, data)
-            clients = {
-                "harness": functools.partial(run_harness, base_url, requests, args),
-                "guidellm": functools.partial(
-                    run_guidellm, base_url, model, model_dir, data, args, out / f"guidellm-{rep}.json"
-                ),
-            }
-            order = ("guidellm", "harness") if _guidellm_first(rep) else ("harness", "guidellm")
-            for name in order:
-                runs[name].append(run_with_counters(base_url, clients[name]))
+            guidellm_json = out / f"guidellm-{rep}.json"
+            if args.simultaneous:
+                harness, reference = run_simultaneous(base_url, model, model_dir, requests, data, args, guidellm_json)
+                runs["harness"].append(harness)
+                runs["guidellm"].append(reference)
+            else:
+                clients = {
+                    "harness": functools.partial(run_harness, base_url, requests, args),
+                    "guidellm": functools.partial(run_guidellm, base_url, model, model_dir, data, args, guidellm_json),
+                }
+                order = ("guidellm", "harness") if _guidellm_first(rep) else ("harness", "guidellm")
+                for name in order:
+                    runs[name].append(run_with_counters(base_url, clients[name]))
             (out / "runs.json").write_text(json.dumps(runs, indent=1))  # kept if a later rep times out
         return runs
 
@@ -387,10 +447,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
             runs = measure(server.base_url)
     rows = comparison_table(runs) + ["", "Per repetition (harness vs guidellm, same requests), % difference:", ""]
-    rows += pair_rows(runs)
+    rows += pair_rows(runs, args.simultaneous)
     lo, hi = args.output_tokens
+    mode = "both clients at once, each at" if args.simultaneous else "one client after the other, at"
     header = (
-        f"guidellm check: {Path(model_dir).name}, closed loop concurrency {args.concurrency}, "
+        f"guidellm check: {Path(model_dir).name}, {mode} closed loop concurrency {args.concurrency}, "
         f"{args.num_requests} requests x {args.reps}, ~{args.prompt_tokens} prompt / {lo}-{hi} output tokens"
     )
     text = "\n".join([header, "", *rows]) + "\n"
