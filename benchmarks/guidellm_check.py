@@ -107,10 +107,14 @@ def run_with_counters(base_url: str, run: Callable[[], dict[str, float]]) -> dic
     CPU seconds (this process for our client, its child process for guidellm)."""
     before, cpu_before = server_counters(base_url), _client_cpu_s()
     result = run()
-    result.update(counter_delta(before, server_counters(base_url)))
-    result.update(normalized(result))
+    add_server_counters(result, counter_delta(before, server_counters(base_url)))
     result["client_cpu_s"] = _client_cpu_s() - cpu_before
     return result
+
+
+def add_server_counters(result: dict[str, float], counters: dict[str, float]) -> None:
+    result.update(counters)
+    result.update(normalized(result))
 
 
 def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Namespace) -> dict[str, float]:
@@ -223,8 +227,7 @@ def run_simultaneous(
     reference = finish_guidellm(proc, out_json, args.max_duration + 600)
     shared = counter_delta(before, server_counters(base_url))
     for result in (harness, reference):
-        result.update(shared)
-        result.update(normalized(result))
+        add_server_counters(result, shared)
         result["client_cpu_s"] = math.nan  # not separable: both clients ran at once
     return harness, reference
 

@@ -61,6 +61,9 @@ class DecoderModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The norm that follows each layer's output (the next layer's input norm, then the final
+        # one): the fused forward's residual add goes into it. A tuple, so not registered twice.
+        self._norms_after = tuple(layer.input_layernorm for layer in self.layers[1:]) + (self.norm,)
         with torch.device("cpu"):  # real tables even when the weights are built on meta
             inv_freq, scaling = rope_inv_freq(config)
             self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, inv_freq, scaling, mrope_section)
@@ -78,9 +81,9 @@ class DecoderModel(nn.Module):
         fused = ctx.fused
         assert fused is not None
         residual = hidden  # the step's own embedding output: safe to update in place
-        norms = [layer.input_layernorm for layer in self.layers] + [self.norm]
-        x = fused.rms_norm(residual, norms[0].weight, norms[0].eps)
-        for layer, next_norm in zip(self.layers, norms[1:]):
+        first_norm = self.layers[0].input_layernorm
+        x = fused.rms_norm(residual, first_norm.weight, first_norm.eps)
+        for layer, next_norm in zip(self.layers, self._norms_after):
             x = layer.forward_fused(x, residual, cos, sin, ctx)
             fused.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
         return x

@@ -66,6 +66,7 @@ class ModelRunner:
         self.page_size = page_size
         self.attn_backend = attn_backend
         self.fused_ops = fused_ops
+        self._argmax = fused_ops.argmax_rows if fused_ops is not None else None  # C++ row argmax
         self.layout = KVLayout.of(model)
         shape = (num_pages, page_size, self.layout.num_kv_heads, self.layout.head_dim)
         self.kv_caches: list[KVCache] = [
@@ -90,8 +91,8 @@ class ModelRunner:
         rows = torch.tensor(inputs.sample_rows, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         requests = [c.request for c in inputs.sample_chunks]
-        argmax = self.fused_ops.argmax_rows if self.fused_ops is not None else None
-        tokens = sample(logits.cpu(), [r.sampling for r in requests], [self._generator(r) for r in requests], argmax)
+        generators = [self._generator(r) for r in requests]
+        tokens = sample(logits.cpu(), [r.sampling for r in requests], generators, self._argmax)
         return {r.request_id: t for r, t in zip(requests, tokens)}
 
     # ---- inputs ----------------------------------------------------------------------------
