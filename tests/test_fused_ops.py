@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.models import cpu_isa
+from vlm_engine.models.cpu_isa import onednn_bf16_packing
 from vlm_engine.models.fused_ops import load_fused_ops
 from vlm_engine.models.layers import RMSNorm, apply_rotary
 from vlm_engine.models.prepack import PackedLinear, prepack_linears, prepack_supported
@@ -97,7 +99,10 @@ def test_ops_reject_fp32(ops) -> None:
         ops.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=BF16), 1e-6)
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), BF16), reason="no oneDNN bf16 packing")
+PACKING, PACKING_REASON = onednn_bf16_packing()
+
+
+@pytest.mark.skipif(not PACKING, reason=PACKING_REASON)
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_packed_linear_is_bit_identical(rows: int) -> None:
     linear = nn.Linear(192, 320, bias=True).to(BF16).requires_grad_(False)
@@ -108,13 +113,40 @@ def test_packed_linear_is_bit_identical(rows: int) -> None:
     assert packed.weight.dtype == BF16 and tuple(packed.weight.shape) == (320, 192)
 
 
-@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), BF16), reason="no oneDNN bf16 packing")
+@pytest.mark.skipif(not PACKING, reason=PACKING_REASON)
 def test_prepack_replaces_only_bf16_linears() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.LayerNorm(4)).requires_grad_(False)
     assert prepack_linears(model) == 0  # fp32 stays on Transformers' own kernels
     model = model.to(BF16)
     assert prepack_linears(model) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+
+
+@pytest.mark.parametrize(
+    ("flags", "packs"),
+    [
+        ({"avx2", "fma"}, False),  # Zen 3: the reorder raises there, so the plain bf16 linears stay
+        ({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}, True),  # Zen 4
+        ({"avx2", "avx_ne_convert"}, True),
+    ],
+)
+def test_packing_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, flags: set[str], packs: bool) -> None:
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
+    assert onednn_bf16_packing()[0] is packs
+    if not packs:
+        assert not prepack_supported(torch.device("cpu"), BF16)
+
+
+@pytest.mark.skipif(PACKING, reason="this CPU packs bf16 weights; the fallback is for CPUs that cannot")
+def test_bf16_model_without_packing_keeps_plain_linears(tiny_vlm_dir) -> None:
+    """The fallback path on CPUs oneDNN cannot pack for: plain bf16 nn.Linear, and the engine runs."""
+    from vlm_engine import Engine, SamplingParams
+
+    engine = Engine(str(tiny_vlm_dir), dtype="bfloat16", kv_cache_tokens=512)
+    assert not any(isinstance(m, PackedLinear) for m in engine.model.modules())
+    assert any(isinstance(m, nn.Linear) and m.weight.dtype == BF16 for m in engine.model.modules())
+    out = engine.generate(["a short prompt"], SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(out.token_ids) == 4 or out.finish_reason == "stop"
 
 
 def test_auto_dtype(monkeypatch: pytest.MonkeyPatch) -> None:

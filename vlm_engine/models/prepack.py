@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.models.cpu_isa import onednn_bf16_packing
+
 logger = logging.getLogger(__name__)
 
 # oneDNN picks the blocked layout for this many rows; decode batches are the case that matters.
@@ -24,6 +26,7 @@ PACK_BATCH_HINT = 64
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return (
         device.type == "cpu"
+        and onednn_bf16_packing()[0]
         and dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -19,6 +19,7 @@ from torch import nn
 
 from vlm_engine.models import loader
 from vlm_engine.models.layers import RotaryEmbedding
+from vlm_engine.models.cpu_isa import has_native_bf16
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 
 logger = logging.getLogger(__name__)
@@ -111,17 +112,7 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
 
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: the CPU has bf16 dot-product instructions (not just conversion)."""
-    if os.environ.get("VLM_ENGINE_CPU_BF16") in ("0", "1"):  # override for tests and odd hosts
-        return os.environ["VLM_ENGINE_CPU_BF16"] == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return has_native_bf16()
 
 
 def build_model(
