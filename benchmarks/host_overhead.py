@@ -3,12 +3,17 @@ so "the scheduler is the bottleneck" can be checked, not guessed.
 
     .venv/bin/python benchmarks/host_overhead.py                         # SmolLM2, bf16, batch 1..256
     .venv/bin/python benchmarks/host_overhead.py --model qwen2-vl-bench --max-batch 64 --steps 5
+    .venv/bin/python benchmarks/host_overhead.py --schema nested_invoice --batches 1,32,64   # + grammar masks
 
 For each batch size B (1, 2, 4, ... --max-batch) it admits B requests, runs their prefill, then
 times decode steps split into: `scheduler.schedule()`, `runner.prepare_inputs()` (host-side input
 building, timed on its own), the forward (`runner.execute()` minus input building: embeddings,
-decoder, LM head, sampling), `scheduler.update()` and output building (detokenisation). Writes
-JSON and a PNG (stacked time per step vs batch size) to benchmarks/results/<time>-host/.
+decoder, LM head, sampling), token application (`scheduler.update()`, grammar matchers) and output
+building (detokenisation). With `--schema NAME` (from vlm_engine.testing.json_schemas) every
+request is constrained by that JSON schema and two more columns appear: the grammar-mask time
+per step (built on a host thread while the forward runs) and the part of it the step waited for
+after the forward (the only part on the critical path). Writes JSON and a PNG (stacked time per
+step vs batch size) to benchmarks/results/<time>-host/.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import roofline as R
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("schedule_s", "prepare_s", "forward_s", "update_s", "outputs_s")
+MASK_PARTS = ("mask_s", "mask_wait_s")
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,8 @@ class StepTiming:
     forward_s: float  # execute() minus prepare_inputs(): model forward + sampling
     update_s: float
     outputs_s: float
+    mask_s: float = 0.0  # grammar masks, on their own thread during the forward (not added to total)
+    mask_wait_s: float = 0.0  # of forward_s: waiting for the masks after the forward
 
     @property
     def host_s(self) -> float:
@@ -61,34 +69,32 @@ def batch_sizes(max_batch: int) -> list[int]:
 
 
 def timed_step(engine: Any) -> StepTiming | None:
-    """One engine step, done by hand so each part has its own clock (mirrors Engine.step)."""
-    sched, runner = engine.scheduler, engine.runner
-    t0 = time.perf_counter()
-    plan = sched.schedule()
-    t1 = time.perf_counter()
-    if plan.is_empty:
+    """One `Engine.step()`: the engine's own step clock, with input building split out of the forward."""
+    step = engine.step_tokens()
+    if step is None:
         return None
-    runner.prepare_inputs(plan.chunks)  # pure host work; execute() repeats it, subtracted below
-    t2 = time.perf_counter()
-    sampled = runner.execute(plan)
-    t3 = time.perf_counter()
-    finished = sched.update(plan, {rid: s.token_id for rid, s in sampled.items()})
-    t4 = time.perf_counter()
-    finished_ids = {r.request_id for r in finished}
-    for chunk in plan.chunks:
-        token = sampled.get(chunk.request.request_id)
-        if token is not None:
-            engine._on_token(chunk.request, token, chunk.request.request_id in finished_ids)
-    t5 = time.perf_counter()
-    prepare = t2 - t1
-    return StepTiming(len(plan.chunks), t1 - t0, prepare, max(t3 - t2 - prepare, 0.0), t4 - t3, t5 - t4)
+    t0 = time.perf_counter()
+    for request, token in step.tokens:
+        engine._on_token(request, token)
+    outputs = time.perf_counter() - t0
+    s = step.stats
+    prepare = engine.runner.last_prepare_s
+    forward = max(s.forward_s - prepare, 0.0)
+    return StepTiming(len(step.plan.chunks), s.schedule_s, prepare, forward, s.update_s, outputs, s.mask_s, s.mask_wait_s)
 
 
-def measure_batch(engine: Any, batch: int, prompt_tokens: int, steps: int, warmup: int) -> list[StepTiming]:
+def measure_batch(
+    engine: Any, batch: int, prompt_tokens: int, steps: int, warmup: int, schema: dict[str, Any] | None = None
+) -> list[StepTiming]:
     from vlm_engine import SamplingParams
 
     vocab = max(int(getattr(engine.tokenizer, "vocab_size", 1000)) - 1, 2)
-    params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0.0, ignore_eos=True)
+    if schema is None:
+        params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0.0, ignore_eos=True)
+    else:
+        # A budget far beyond the measured steps keeps the closer (which forces the JSON to finish
+        # near max_tokens) out of the measurement: this measures plain masked decoding.
+        params = SamplingParams(max_tokens=2048, temperature=0.0, ignore_eos=True, json_schema=schema)
     ids = []
     for i in range(batch):
         # Distinct prompts: no prefix-cache sharing between requests.
@@ -108,7 +114,7 @@ def measure_batch(engine: Any, batch: int, prompt_tokens: int, steps: int, warmu
 
 
 def median_timing(batch: int, timings: list[StepTiming]) -> StepTiming:
-    return StepTiming(batch, *(statistics.median(getattr(t, p) for t in timings) for p in PARTS))
+    return StepTiming(batch, *(statistics.median(getattr(t, p) for t in timings) for p in PARTS + MASK_PARTS))
 
 
 def plot(rows: list[StepTiming], path: Path, title: str) -> None:
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2", help="smollm2, qwen2-vl-bench, qwen2-vl-tiny or a model dir")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes instead of 1, 2, 4 ... --max-batch")
+    p.add_argument("--schema", default=None, help="constrain every request by this schema from json_schemas.SCHEMAS")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per batch size (median reported)")
     p.add_argument("--warmup", type=int, default=2)
@@ -155,13 +163,19 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_engine import Engine
 
     model_dir = R.resolve_model_dir(args.model)
-    sizes = batch_sizes(args.max_batch)
+    sizes = [int(b) for b in args.batches.split(",")] if args.batches else batch_sizes(args.max_batch)
+    args.max_batch = max(sizes)
+    schema = None
+    if args.schema:
+        from vlm_engine.testing.json_schemas import SCHEMAS
+
+        schema = SCHEMAS[args.schema]
     engine = Engine(
         model_dir,
         dtype=args.dtype,
         max_num_seqs=args.max_batch,
         max_num_batched_tokens=max(2048, args.prompt_tokens * 16),
-        kv_cache_tokens=args.max_batch * (args.prompt_tokens + args.warmup + args.steps + 32) + 4096,
+        kv_cache_tokens=args.max_batch * (args.prompt_tokens + args.warmup + args.steps + 64) + 4096,
         attention_backend=args.attention_backend,
     )
     machine = R.machine_ceilings()
@@ -169,12 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[StepTiming] = []
     lines = []
     # Throwaway pass: the first steps pay one-off costs (kernel JIT/loading, allocator growth).
-    measure_batch(engine, min(4, args.max_batch), args.prompt_tokens, 2, 1)
+    measure_batch(engine, min(4, args.max_batch), args.prompt_tokens, 2, 1, schema)
+    mask_head = f" {'mask':>9} {'mask wait':>9} {'mask %':>7}" if schema else ""
     print(
-        f"{'batch':>5} {'schedule':>9} {'prepare':>9} {'forward':>9} {'update':>9} {'outputs':>9} {'host %':>7}  (ms per step)"
+        f"{'batch':>5} {'schedule':>9} {'prepare':>9} {'forward':>9} {'update':>9} {'outputs':>9} {'host %':>7}"
+        f"{mask_head}  (ms per step)"
     )
     for b in sizes:
-        timings = measure_batch(engine, b, args.prompt_tokens, args.steps, args.warmup)
+        timings = measure_batch(engine, b, args.prompt_tokens, args.steps, args.warmup, schema)
         if not timings:
             print(f"{b:>5}  no full-batch decode step measured (KV pool too small?)")
             continue
@@ -187,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{b:>5} "
             + " ".join(f"{1000 * getattr(m, k):9.3f}" for k in PARTS)
             + f" {100 * m.host_s / m.total_s:6.1f}%"
+            + (f" {1000 * m.mask_s:9.3f} {1000 * m.mask_wait_s:9.3f} {100 * m.mask_s / m.total_s:6.1f}%" if schema else "")
         )
         print(f"{'':>6}{line}")
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-host"

@@ -7,6 +7,7 @@ be compared with Transformers token for token.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,11 +77,13 @@ class PromptProcessor:
 
     # ---- entry points ---------------------------------------------------------------------
 
-    def from_messages(self, messages: list[dict[str, Any]]) -> ProcessedPrompt:
+    def from_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
+        """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does."""
         hf_messages, images = self._convert_messages(messages)
         template_owner = self.processor if self.is_multimodal else self.tokenizer
+        extra = {"tools": tools} if tools else {}
         try:
-            text = template_owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+            text = template_owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
         if not self.is_multimodal:
@@ -131,17 +134,18 @@ class PromptProcessor:
             content = message.get("content")
             if content is None:
                 content = ""
+            extra = _tool_fields(message, i)
             if isinstance(content, str):
-                converted.append({"role": role, "content": content})
+                converted.append({"role": role, "content": content, **extra})
                 continue
             if not isinstance(content, list):
                 raise PromptError(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
             parts = [self._convert_part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(content)]
             if not self.is_multimodal:
                 # Text-only templates expect a string; parts are plain text here.
-                converted.append({"role": role, "content": "".join(p["text"] for p in parts)})
+                converted.append({"role": role, "content": "".join(p["text"] for p in parts), **extra})
             else:
-                converted.append({"role": role, "content": parts})
+                converted.append({"role": role, "content": parts, **extra})
         if self.max_images is not None and len(images) > self.max_images:
             raise PromptError(
                 f"at most {self.max_images} images per prompt are allowed, got {len(images)}", param="messages"
@@ -203,6 +207,36 @@ class PromptProcessor:
                 self.media_tokens.spatial_merge_size,
             )
         return prompt
+
+
+def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
+    """An assistant's `tool_calls` and a tool message's `tool_call_id`, in the form chat templates
+    read (arguments as an object, as Transformers' tool-use format has them)."""
+    extra: dict[str, Any] = {}
+    calls = message.get("tool_calls")
+    if calls:
+        if not isinstance(calls, list):
+            raise PromptError(f"messages[{i}].tool_calls must be an array", param=f"messages[{i}].tool_calls")
+        converted = []
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise PromptError(f"messages[{i}].tool_calls[{j}] needs a function name", param=f"messages[{i}].tool_calls")
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise PromptError(
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON", param=f"messages[{i}].tool_calls"
+                    ) from None
+            converted.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        extra["tool_calls"] = converted
+    if isinstance(message.get("tool_call_id"), str):
+        extra["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        extra["name"] = message["name"]
+    return extra
 
 
 def _placeholder_runs(token_ids: list[int], placeholder: int | None) -> list[tuple[int, int]]:

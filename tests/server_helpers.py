@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +134,17 @@ class ServerProcess:
             except ProcessLookupError:
                 pass
         self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def running(srv: ServerProcess) -> Iterator[ServerProcess]:
+    """A started server, healthy inside the block and stopped after it (module fixtures)."""
+    try:
+        srv.wait_healthy()
+        yield srv
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
 
 
 def _alive(pid: int) -> bool:

@@ -26,7 +26,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tests.conftest import make_image
-from tests.server_helpers import ServerProcess, assert_exact_schema, sse_events
+from tests.server_helpers import ServerProcess, assert_exact_schema, running, sse_events
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -62,12 +62,8 @@ def server(tiny_vlm_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         "100000",
         api_key=API_KEY,
     )
-    try:
-        srv.wait_healthy()
+    with running(srv):
         yield srv
-    finally:
-        if srv.proc.poll() is None:
-            srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -85,6 +85,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
     a.add_argument("--max-n", type=_positive_int, default=d.max_n, help="most choices per request")
     a.add_argument("--max-request-bytes", type=_positive_int, default=d.max_request_bytes)
+    a.add_argument(
+        "--tool-call-parser", default=d.tool_call_parser, help="how tool_choice=auto finds calls in the text (hermes)"
+    )
     o = p.add_argument_group("process")
     o.add_argument(
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
@@ -121,6 +124,7 @@ def run_serve(args: argparse.Namespace) -> int:
         media_fetch_timeout_s=args.media_fetch_timeout,
         max_redirects=args.max_redirects,
         max_n=args.max_n,
+        tool_call_parser=args.tool_call_parser,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         side_process_nice=args.side_process_nice,

@@ -26,7 +26,8 @@ from vlm_engine.runner.attention.backends import create_backend
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from vlm_engine.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,25 @@ class StepStats:
     schedule_s: float = 0.0
     forward_s: float = 0.0
     update_s: float = 0.0
+    mask_s: float = 0.0  # grammar masks, built on a host thread during the forward (not added to it)
+    mask_wait_s: float = 0.0  # of forward_s, the wait for masks after the forward finished
+
+
+@dataclass
+class TokenStep:
+    """One step at the token level: the plan that ran and the tokens it appended, in chunk order."""
+
+    plan: SchedulerOutput
+    tokens: list[tuple[Request, SampledToken]]
+    stats: StepStats
+
+
+class StepFailed(RuntimeError):
+    """The forward pass raised; `plan` says which requests were in the batch."""
+
+    def __init__(self, plan: SchedulerOutput) -> None:
+        super().__init__(f"the forward pass failed for {len(plan.chunks)} requests")
+        self.plan = plan
 
 
 class Engine:
@@ -118,6 +138,7 @@ class Engine:
             self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
         )
         self.eos_token_ids = self._eos_token_ids()
+        self._grammars: Any = None  # GrammarCompiler, built on the first constrained request
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._logprobs: dict[str, list[TokenLogprob]] = {}
         self._ids = itertools.count()
@@ -155,10 +176,19 @@ class Engine:
             ids.add(int(self.tokenizer.eos_token_id))
         return frozenset(ids)
 
+    @property
+    def grammars(self) -> Any:
+        """The grammar compiler for this tokenizer (llguidance), built when first needed."""
+        if self._grammars is None:
+            from vlm_engine.structured.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     # ---- request API ---------------------------------------------------------------------------
 
-    def process_messages(self, messages: Conversation) -> ProcessedPrompt:
-        return self.processor.from_messages(messages)
+    def process_messages(self, messages: Conversation, tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
+        return self.processor.from_messages(messages, tools=tools)
 
     def process_prompt(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, ProcessedPrompt):
@@ -176,17 +206,21 @@ class Engine:
         """Queue a request; raises ValueError (PromptError, RequestRejected) for input that can never run."""
         processed = self.process_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = Request(
-            request_id=request_id,
-            prompt=processed,
-            sampling=sampling or SamplingParams(),
-            eos_token_ids=self.eos_token_ids,
-        )
+        request = self.make_request(request_id, processed, sampling or SamplingParams())
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
         if request.sampling.logprobs is not None:
             self._logprobs[request_id] = []
         return request_id
+
+    def make_request(self, request_id: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Request:
+        """A scheduler request with its per-request state (grammar matcher); raises
+        StructuredOutputError for a constraint that cannot be enforced, before anything is allocated."""
+        request = Request(request_id=request_id, prompt=prompt, sampling=sampling, eos_token_ids=self.eos_token_ids)
+        spec: StructuredOutput | None = sampling.structured_output
+        if spec is not None:
+            request.grammar = self.grammars.matcher(spec, ignore_eos=sampling.ignore_eos)
+        return request
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)
@@ -198,37 +232,77 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every request that produced tokens."""
+    def step_tokens(self) -> TokenStep | None:
+        """Plan a batch, run it, apply its sampled tokens; None when nothing could be scheduled.
+
+        The one place a step's tokens are applied (grammar matchers, scheduler progress, stops),
+        shared by `step()` and the server's engine core. Raises StepFailed if the forward pass fails.
+        """
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            return []
+            return None
         t1 = time.perf_counter()
-        sampled = self.runner.execute(plan)
+        try:
+            sampled = self.runner.execute(plan)
+        except Exception as exc:
+            raise StepFailed(plan) from exc
         t2 = time.perf_counter()
-        finished = self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
-        outputs = []
-        finished_ids = {r.request_id for r in finished}
+        tokens = self._apply_tokens(plan, sampled)
+        t3 = time.perf_counter()
+        stats = StepStats(
+            plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2, self.runner.last_mask_s, self.runner.last_mask_wait_s
+        )
+        self.last_step = stats
+        return TokenStep(plan, tokens, stats)
+
+    def _apply_tokens(self, plan: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[tuple[Request, SampledToken]]:
+        applied: list[tuple[Request, SampledToken]] = []
+        rejected: list[Request] = []
         for chunk in plan.chunks:
             request = chunk.request
             token = sampled.get(request.request_id)
-            if token is None:
+            if token is None or request.status is not RequestStatus.RUNNING:
                 continue
-            outputs.append(self._on_token(request, token, request.request_id in finished_ids))
-        t3 = time.perf_counter()
-        self.last_step = StepStats(plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2)
+            if request.grammar is not None:
+                taken = request.grammar.accept(token.token_id, request.remaining_tokens - 1)
+                if taken is None:
+                    rejected.append(request)
+                    continue
+                if taken != token.token_id:  # the closer finished the output instead
+                    token = SampledToken(taken, token.logprob, token.top_logprobs)
+            applied.append((request, token))
+        for request in rejected:  # a token outside the mask: a bug, never silently invalid output
+            logger.error("request %s: the grammar rejected a sampled token; aborting it", request.request_id)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.update(plan, {request.request_id: token.token_id for request, token in applied})
+        for request, _ in applied:
+            if request.grammar is None or not request.grammar.is_stopped:
+                continue
+            if not request.status.finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED  # completed on its last budgeted token
+        return applied
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every request that produced tokens."""
+        result = self.step_tokens()
+        if result is None:
+            return []
+        t0 = time.perf_counter()
+        outputs = [self._on_token(request, token) for request, token in result.tokens]
+        result.stats.update_s += time.perf_counter() - t0
         return outputs
 
-    def _on_token(self, request: Request, token: SampledToken, finished: bool) -> RequestOutput:
+    def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
         rid = request.request_id
         detok = self._detokenizers[rid]
         if rid in self._logprobs:
             self._logprobs[rid].append(TokenLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or []))
         hit_stop = detok.add([token.token_id]) if request.stop_token_id != token.token_id else False
-        if hit_stop and not finished:
+        if hit_stop and not request.status.finished:
             self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-            finished = True
         return self._output(request, [token.token_id])
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
@@ -261,8 +335,11 @@ class Engine:
         self,
         conversations: Sequence[Conversation],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        prompts = [self.process_messages(list(c)) for c in conversations]
+        """`tools` (OpenAI's format) go to the chat template; force a call with
+        `SamplingParams(structured_output=resolve_tool_choice(...).constraint)` (vlm_engine.structured.tools)."""
+        prompts = [self.process_messages(list(c), tools) for c in conversations]
         return self.generate(prompts, sampling)
 
     def generate(
@@ -272,6 +349,9 @@ class Engine:
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling, len(prompts))
         processed = [self.process_prompt(p) for p in prompts]  # validate everything before queueing anything
+        for sp in params:
+            if sp.structured_output is not None:
+                self.grammars.validate(sp.structured_output)
         ids = [self.add_request(p, sp) for p, sp in zip(processed, params)]
         final: dict[str, RequestOutput] = {}
         while len(final) < len(ids):

@@ -71,6 +71,7 @@ class PreprocessRequest(Message):
     sampling: SamplingParams
     messages: Any = None  # chat: the raw OpenAI message list (validated by the worker)
     prompt: str | list[int] | None = None  # completions: text or token ids
+    tools: Any = None  # chat: the validated OpenAI tool list the chat template renders
     worker: int = 0  # which worker got it (echoed in PreprocessDone for load balancing)
 
 
@@ -160,6 +161,7 @@ class CoreStats(msgspec.Struct, array_like=True):
     schedule_s: float = 0.0  # cumulative host time in schedule()
     forward_s: float = 0.0
     update_s: float = 0.0
+    grammar_mask_s: float = 0.0  # cumulative host time building grammar masks (overlapped with forward)
     # Arrival in the core's queue (after preprocessing) to first scheduled, per engine request.
     queue_time: Histogram = msgspec.field(default_factory=lambda: Histogram.with_bounds(REQUEST_BUCKETS))
 

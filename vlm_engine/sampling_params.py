@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError, from_response_format
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k alternatives
+    # Constrained output: the one representation the engine uses (see vlm_engine.structured).
+    structured_output: StructuredOutput | None = None
+    # Conveniences, folded into `structured_output` at construction (at most one may be given).
+    response_format: dict[str, Any] | None = None  # OpenAI's {"type": "json_object" | "json_schema", ...}
+    json_schema: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF/EBNF (rules with ::=)
 
     def __post_init__(self) -> None:
         # Accept lists / a single string for convenience, store tuples so params stay hashable.
@@ -26,7 +37,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        self._fold_structured_output()
         self.validate()
+
+    def _fold_structured_output(self) -> None:
+        given = [
+            spec
+            for spec in (
+                self.structured_output,
+                from_response_format(self.response_format),
+                None if self.json_schema is None else StructuredOutput.json(self.json_schema),
+                None if self.regex is None else StructuredOutput.regex(self.regex),
+                None if self.choice is None else StructuredOutput.choice(self.choice),
+                None if self.grammar is None else StructuredOutput.grammar(self.grammar),
+            )
+            if spec is not None
+        ]
+        if len(given) > 1:
+            raise StructuredOutputError("give at most one output constraint (response_format, json_schema, regex, ...)")
+        object.__setattr__(self, "structured_output", given[0] if given else None)
+        for name in ("response_format", "json_schema", "regex", "choice", "grammar"):
+            object.__setattr__(self, name, None)  # keeps the params hashable and small on the wire
 
     def validate(self) -> None:
         if self.max_tokens < 1:

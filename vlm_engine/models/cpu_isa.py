@@ -41,11 +41,3 @@ def onednn_bf16_packing() -> tuple[bool, str]:
     if "avx_ne_convert" in flags or "amx_bf16" in flags:
         return True, "avx_ne_convert/amx"
     return False, "oneDNN's bf16 weight reorder needs avx512bw/vl/dq or avx_ne_convert, which this CPU lacks"
-
-
-def isa_summary() -> str:
-    flags = cpu_flags()
-    for name, needed in (("amx", {"amx_bf16"}), ("avx512_bf16", {"avx512_bf16"}), ("avx512", {"avx512f"}), ("avx2", {"avx2", "fma"})):
-        if needed <= flags:
-            return name
-    return "baseline"

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from vlm_engine.models import loader
-from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.cpu_isa import has_native_bf16
+from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 
 logger = logging.getLogger(__name__)

@@ -44,6 +44,9 @@ class Request:
     stop_token_id: int | None = None  # the token that ended it, when one did
     # Runner-side state that lives as long as the request (sampling generator, encoder outputs).
     runner_state: dict[str, Any] = field(default_factory=dict)
+    # The structured-output matcher (vlm_engine.structured.grammar.GrammarMatcher) when constrained;
+    # its state follows the output tokens, so it survives preemption unchanged.
+    grammar: Any = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -76,6 +79,11 @@ class Request:
     def extend_len(self) -> int:
         """Tokens still to run through the model before the next token can be sampled."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens this request may still generate (max_tokens and the context both count)."""
+        return min(self.sampling.max_tokens - self.num_output_tokens, self.max_model_len - self.num_tokens)
 
     @property
     def finish_reason(self) -> str | None:

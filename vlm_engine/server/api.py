@@ -26,6 +26,7 @@ from vlm_engine.server import protocol as P
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient, RequestHandle
 from vlm_engine.server.metrics import render_metrics
+from vlm_engine.server.tool_parsers import ToolOutput
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,8 @@ class Generation:
         self.created = P.now()
         self.model = parsed.model
         self.choices = [_Choice() for _ in range(parsed.num_choices)]
+        with_tools = parsed.kind == "chat" and parsed.tool_choice.mode != "none"
+        self.tools = [ToolOutput(parsed.tool_choice, state.config.tool_call_parser) if with_tools else None for _ in self.choices]
         self.handle: RequestHandle = state.client.submit(request_id, parsed)
         self.unfinished = set(self.handle.engine_ids)
         self._next_disconnect_check = 0.0  # time.monotonic() of the next connection check
@@ -194,15 +197,14 @@ class Generation:
                 return Response(status_code=499)
         usage = _usage(self.choices, self.parsed.n)
         if self.parsed.kind == "chat":
-            choices = [
-                P.chat_choice(
-                    i,
-                    "".join(c.text),
-                    c.finish_reason or "stop",
-                    P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None,
-                )
-                for i, c in enumerate(self.choices)
-            ]
+            choices = []
+            for i, c in enumerate(self.choices):
+                text, reason, message = "".join(c.text), c.finish_reason or "stop", None
+                tools = self.tools[i]
+                if tools is not None:
+                    message, reason = tools.message(text, reason)
+                logprobs = P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None
+                choices.append(P.chat_choice(i, text, reason, logprobs, message))
             body = P.chat_completion(self.request_id, self.created, self.model, choices, usage)
         else:
             choices = [
@@ -271,9 +273,10 @@ class Generation:
                 merged, error = self._merge(batch)
                 # Skip deltas with nothing to show yet (text held back: partial stop string / UTF-8).
                 out = [
-                    _sse(self._delta_chunk(index, d, with_usage))
+                    _sse(chunk)
                     for index, d in merged.items()
                     if d.text or d.finished or d.logprobs
+                    for chunk in self._delta_chunks(index, d, with_usage)
                 ]
                 if error is not None:
                     self.abort()
@@ -289,15 +292,31 @@ class Generation:
         finally:
             self.abort()  # no-op when finished; a disconnect cancels us mid-stream
 
-    def _delta_chunk(self, index: int, d: Any, with_usage: bool) -> dict[str, Any]:
+    def _delta_chunks(self, index: int, d: Any, with_usage: bool) -> list[dict[str, Any]]:
         p = self.parsed
         finish = d.finish_reason if d.finished else None
         usage = self._usage_now() if p.continuous_usage else None
         if p.kind == "chat":
-            delta = {"content": d.text} if d.text else {}
+            tools = self.tools[index]
+            if tools is None:
+                deltas = [{"content": d.text} if d.text else {}]
+            else:
+                deltas = tools.stream(d.text)
+                if d.finished:
+                    closing, finish = tools.finish(finish or "stop")
+                    deltas += closing
+                deltas = deltas or [{}]
             logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
-            choice = P.chat_chunk_choice(index, delta, finish, logprobs)
-            return P.chat_chunk(self.request_id, self.created, self.model, [choice], usage, with_usage)
+            last = len(deltas) - 1
+            choices = [
+                P.chat_chunk_choice(index, delta, finish if k == last else None, logprobs if k == 0 else None)
+                for k, delta in enumerate(deltas)
+            ]
+            return [P.chat_chunk(self.request_id, self.created, self.model, [c], usage, with_usage) for c in choices]
+        return [self._completion_chunk(index, d, finish, usage, with_usage)]
+
+    def _completion_chunk(self, index: int, d: Any, finish: str | None, usage: Any, with_usage: bool) -> dict[str, Any]:
+        p = self.parsed
         offset = self.choices[index].text_len
         logprobs = P.completion_logprobs(d.logprobs, offset) if p.logprobs and d.logprobs else None
         self.choices[index].text_len = offset + len(d.text)

@@ -36,6 +36,7 @@ class ServerConfig:
     max_redirects: int = 3
     max_n: int = 16  # most choices (n x prompts) in one request
     max_request_bytes: int = 64 * 1024 * 1024  # JSON body cap (413 above it); images come base64-encoded
+    tool_call_parser: str = "hermes"  # how tool_choice="auto" finds calls in text (server.tool_parsers)
 
     # Process behaviour.
     shutdown_timeout_s: float = 5.0  # grace for in-flight requests on SIGTERM before they are aborted
@@ -54,6 +55,10 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.limit_mm_per_prompt < 0:
             raise ValueError("limit_mm_per_prompt must be >= 0")
+        from vlm_engine.server.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}")
 
     @property
     def model_name(self) -> str:

@@ -105,6 +105,7 @@ class EngineClient:
                 sampling=request.sampling,
                 messages=prompt if request.kind == "chat" else None,
                 prompt=prompt if request.kind == "completion" else None,
+                tools=request.tools,
                 worker=worker,
             )
             self.to_workers[worker].send_multipart(ipc.encode(msg))

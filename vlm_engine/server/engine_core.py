@@ -3,8 +3,8 @@
 Between steps it drains its inbox without blocking (new requests, aborts, stop-string finishes);
 it blocks on the inbox only when it has no work, so it never waits on another process while
 there is something to compute. Each step's sampled token ids go out in one message to the
-detokenizer; text, stop strings and logprob strings are the detokenizer's job, so the core uses
-the scheduler and runner directly rather than `Engine.step()` (which also detokenizes).
+detokenizer; text, stop strings and logprob strings are the detokenizer's job, so the core calls
+`Engine.step_tokens()` (the token-level step `Engine.step()` is built on) and never detokenizes.
 
 Every request the core accepted ends with exactly one finished `TokenOutput` (stop, length,
 abort) or one `RequestError`, so the detokenizer can drop its state.
@@ -23,12 +23,13 @@ import zmq
 
 from vlm_engine import ipc
 from vlm_engine.cache.page_hash import MediaSpan
-from vlm_engine.engine import Engine
+from vlm_engine.engine import Engine, StepFailed
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.scheduler import Request, RequestRejected, RequestStatus
+from vlm_engine.scheduler import RequestRejected, RequestStatus
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
+from vlm_engine.structured.spec import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class EngineCore:
         t0 = time.perf_counter()
         prompt = self.engine.processor.from_text("Warm up the engine: one, two, three.")
         self.engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
+        # The grammar compiler's tokenizer index takes 0.4 s (49k vocab) to 2 s (151k) to build:
+        # pay it now, not inside the step loop when the first constrained request arrives.
+        self.engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, json_schema={"type": "object"}))
         self.pool.reset_prefix_cache()
         logger.info("warm-up took %.2f s", time.perf_counter() - t0)
 
@@ -141,16 +145,14 @@ class EngineCore:
             del self.tombstones[rid]
             return
         try:
-            request = Request(
-                request_id=rid,
-                prompt=build_prompt(msg, frames),
-                sampling=msg.sampling,
-                eos_token_ids=self.engine.eos_token_ids,
-            )
+            request = self.engine.make_request(rid, build_prompt(msg, frames), msg.sampling)
             self.scheduler.add_request(request)
         except RequestRejected as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             self._pending.errors.append(ipc.RequestError(rid, 400, str(exc), param="messages", code=code))
+            return
+        except StructuredOutputError as exc:  # the workers validate first; this is the backstop
+            self._pending.errors.append(ipc.RequestError(rid, 400, exc.message, param=exc.param or "response_format"))
             return
         except Exception as exc:  # a malformed request must not take the core down
             logger.exception("could not add request %s", rid)
@@ -178,30 +180,22 @@ class EngineCore:
     # ---- one step ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        t0 = time.perf_counter()
         scheduled_after = time.monotonic()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        try:
+            step = self.engine.step_tokens()
+        except StepFailed as failed:
+            logger.exception("forward pass failed for %d requests", len(failed.plan.chunks))
+            self._fail_batch(failed.plan, failed.__cause__ or failed)
+            return
+        if step is None:
             # Nothing fits right now (transient); wait briefly for an abort instead of spinning.
             if self.inbox.poll(5):
                 self._drain()
             return
-        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.request.num_output_tokens > 0)
-        t1 = time.perf_counter()
-        try:
-            sampled = self.engine.runner.execute(plan)
-        except Exception as exc:
-            logger.exception("forward pass failed for %d requests", len(plan.chunks))
-            self._fail_batch(plan, exc)
-            return
-        t2 = time.perf_counter()
-        self.scheduler.update(plan, {rid: s.token_id for rid, s in sampled.items()})
+        plan = step.plan
+        t0 = time.perf_counter()
         outputs = self._pending.outputs
-        for chunk in plan.chunks:
-            request = chunk.request
-            token = sampled.get(request.request_id)
-            if token is None:
-                continue
+        for request, token in step.tokens:
             finished = request.status.finished
             logprobs = None
             if request.sampling.logprobs is not None:
@@ -217,15 +211,16 @@ class EngineCore:
                     logprobs,
                 )
             )
-        t3 = time.perf_counter()
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
         s = self.stats
         s.steps += 1
-        s.generation_tokens += len(sampled)
+        s.generation_tokens += len(step.tokens)
         s.prompt_tokens += plan.num_tokens - decodes
         s.preemptions += len(plan.preempted)
-        s.schedule_s += t1 - t0
-        s.forward_s += t2 - t1
-        s.update_s += t3 - t2
+        s.schedule_s += step.stats.schedule_s
+        s.forward_s += step.stats.forward_s
+        s.update_s += step.stats.update_s + time.perf_counter() - t0
+        s.grammar_mask_s += step.stats.mask_s
         for chunk in plan.chunks:  # requests scheduled for the first time in this step
             first = chunk.request.first_scheduled_time
             if first is not None and first >= scheduled_after:

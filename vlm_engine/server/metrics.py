@@ -41,6 +41,12 @@ _METRICS: list[tuple[str, str, str, Any]] = [
         lambda s, c: s.forward_s,
     ),
     ("vlm_step_update_seconds_total", "counter", "Host time spent applying step results", lambda s, c: s.update_s),
+    (
+        "vlm_grammar_mask_seconds_total",
+        "counter",
+        "Host time spent building structured-output token masks (on a thread, during the forward)",
+        lambda s, c: s.grammar_mask_s,
+    ),
 ]
 
 

@@ -20,6 +20,7 @@ from vlm_engine import ipc
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
+from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,10 @@ def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int)
         limits=config.media_limits(),
         max_images=config.limit_mm_per_prompt,
     )
-    worker = PreprocessWorker(processor, paths, index)
+    checker = ConstraintChecker(processor)
+    if config.warmup:
+        checker.compiler  # noqa: B018 - build the tokenizer index before the first request needs it
+    worker = PreprocessWorker(processor, paths, index, checker)
     serve_forever("preprocess worker", worker.run, worker.close)
 
 
@@ -72,9 +76,41 @@ def choice_sampling(sampling: Any, index: int) -> Any:
     return dataclasses.replace(sampling, seed=sampling.seed + index)
 
 
-class PreprocessWorker:
-    def __init__(self, processor: Any, paths: ipc.IpcPaths, index: int) -> None:
+class ConstraintChecker:
+    """Compiles output constraints (and tools' parameter schemas) here, so a schema the grammar
+    library cannot enforce is a 400 before the engine core allocates anything. Compiled grammars
+    are cached by spec, so a repeated schema costs a dictionary lookup."""
+
+    def __init__(self, processor: Any) -> None:
         self.processor = processor
+        self._compiler: Any = None
+
+    def check(self, request: ipc.PreprocessRequest) -> None:
+        specs = []
+        if request.sampling.structured_output is not None:
+            specs.append((request.sampling.structured_output, "response_format"))
+        for i, tool in enumerate(request.tools or []):
+            specs.append((StructuredOutput.json(tool["function"]["parameters"]), f"tools[{i}].function.parameters"))
+        for spec, param in specs:
+            try:
+                self.compiler.validate(spec)
+            except StructuredOutputError as exc:
+                raise StructuredOutputError(exc.message, param=exc.param or param) from None
+
+    @property
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            from vlm_engine.structured.grammar import GrammarCompiler
+
+            tok = self.processor.tokenizer
+            self._compiler = GrammarCompiler(tok, self.processor.vocab_size, {int(tok.eos_token_id)})
+        return self._compiler
+
+
+class PreprocessWorker:
+    def __init__(self, processor: Any, paths: ipc.IpcPaths, index: int, checker: ConstraintChecker | None = None) -> None:
+        self.processor = processor
+        self.checker = checker or ConstraintChecker(processor)
         self.index = index
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -115,8 +151,9 @@ class PreprocessWorker:
     def handle(self, request: ipc.PreprocessRequest) -> None:
         ids = [f"{request.request_id}-{request.first_index + i}" for i in range(request.n)]
         try:
+            self.checker.check(request)
             prompt = self.process(request)
-        except ValueError as exc:  # PromptError, MediaError: the client's input
+        except ValueError as exc:  # PromptError, MediaError, StructuredOutputError: the client's input
             self._fail(ids, 400, getattr(exc, "message", str(exc)), getattr(exc, "param", None))
             return
         except Exception as exc:
@@ -130,7 +167,7 @@ class PreprocessWorker:
 
     def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
         if request.messages is not None:
-            return self.processor.from_messages(request.messages)
+            return self.processor.from_messages(request.messages, tools=request.tools)
         if isinstance(request.prompt, str):
             return self.processor.from_text(request.prompt)
         return self.processor.from_token_ids(list(request.prompt or []))

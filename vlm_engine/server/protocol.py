@@ -14,8 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.structured.spec import (
+    StructuredOutput,
+    StructuredOutputError,
+    from_response_format,
+    from_structured_outputs,
+)
+from vlm_engine.structured.tools import ToolChoice, resolve_tool_choice, validate_tools
 
 SYSTEM_FINGERPRINT = "fp_vlm_engine"
+NO_TOOLS = ToolChoice("none")
 
 
 class ApiError(Exception):
@@ -60,6 +68,8 @@ class GenerateRequest:
     include_usage: bool
     continuous_usage: bool
     logprobs: bool
+    tools: list[dict[str, Any]] | None = None  # what the chat template sees (None: no tools)
+    tool_choice: ToolChoice = NO_TOOLS
 
     @property
     def num_choices(self) -> int:
@@ -117,7 +127,29 @@ def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, i
     return served_model, n, stream, include_usage, continuous
 
 
-def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _constraint(body: dict[str, Any], tool_constraint: StructuredOutput | None = None) -> StructuredOutput | None:
+    """The one output constraint of a request: response_format, structured_outputs or a forced tool call."""
+    try:
+        given = [
+            (name, spec)
+            for name, spec in (
+                ("response_format", from_response_format(body.get("response_format"))),
+                ("structured_outputs", from_structured_outputs(body.get("structured_outputs"))),
+                ("tool_choice", tool_constraint),
+            )
+            if spec is not None
+        ]
+    except StructuredOutputError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
+    if len(given) > 1:
+        names = " and ".join(n for n, _ in given)
+        raise ApiError(400, f"{names} each constrain the output; give only one", param=given[1][0])
+    return given[0][1] if given else None
+
+
+def _sampling(
+    body: dict[str, Any], max_tokens: int, logprobs: int | None, constraint: StructuredOutput | None = None
+) -> SamplingParams:
     top_k = _get(body, "top_k", int, 0)
     try:
         return SamplingParams(
@@ -130,6 +162,7 @@ def _sampling(body: dict[str, Any], max_tokens: int, logprobs: int | None) -> Sa
             stop_token_ids=tuple(_token_ids(body.get("stop_token_ids"), "stop_token_ids")),
             ignore_eos=_get(body, "ignore_eos", bool, False),
             logprobs=logprobs,
+            structured_output=constraint,
         )
     except ValueError as exc:
         message = str(exc)
@@ -175,9 +208,11 @@ def parse_chat(body: Any, served_model: str, max_n: int, max_model_len: int, max
         raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     if top is not None and not 0 <= top <= 20:
         raise ApiError(400, f"'top_logprobs' must be between 0 and 20, got {top}", param="top_logprobs")
+    tools, tool_choice = _tools(body)
     max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
     # No limit given: the engine stops at the context limit, so "as many as fit" is the context size.
-    sampling = _sampling(body, max_tokens or max_model_len, (top or 0) if want_logprobs else None)
+    constraint = _constraint(body, tool_choice.constraint)
+    sampling = _sampling(body, max_tokens or max_model_len, (top or 0) if want_logprobs else None, constraint)
     return GenerateRequest(
         kind="chat",
         model=model,
@@ -188,7 +223,18 @@ def parse_chat(body: Any, served_model: str, max_n: int, max_model_len: int, max
         include_usage=include_usage,
         continuous_usage=continuous,
         logprobs=want_logprobs,
+        tools=tools if tool_choice.mode != "none" else None,
+        tool_choice=tool_choice,
     )
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
+    try:
+        tools = validate_tools(body["tools"]) if body.get("tools") is not None else None
+        parallel = _get(body, "parallel_tool_calls", bool, True)
+        return tools, resolve_tool_choice(tools, body.get("tool_choice"), parallel)
+    except StructuredOutputError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
 
 
 def parse_completion(body: Any, served_model: str, max_n: int) -> GenerateRequest:
@@ -205,7 +251,7 @@ def parse_completion(body: Any, served_model: str, max_n: int) -> GenerateReques
     if logprobs is not None and not 0 <= logprobs <= 20:
         raise ApiError(400, f"'logprobs' must be between 0 and 20, got {logprobs}", param="logprobs")
     max_tokens = _max_tokens(body, "max_tokens")
-    sampling = _sampling(body, max_tokens or 16, logprobs)  # 16: the OpenAI completions default
+    sampling = _sampling(body, max_tokens or 16, logprobs, _constraint(body))  # 16: the OpenAI completions default
     if n * len(prompts) > max_n:
         raise ApiError(400, f"at most {max_n} choices (n x prompts) per request", param="n")
     return GenerateRequest(
@@ -311,10 +357,12 @@ def chat_completion(
     }
 
 
-def chat_choice(index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def chat_choice(
+    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None, message: dict[str, Any] | None = None
+) -> dict[str, Any]:
     return {
         "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None, "annotations": []},
+        "message": message or {"role": "assistant", "content": text, "refusal": None, "annotations": []},
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
