@@ -305,6 +305,8 @@ class Generation:
                 if d.finished:
                     closing, finish = tools.finish(finish or "stop")
                     deltas += closing
+                if not deltas and not d.finished and not (p.logprobs and d.logprobs):
+                    return []  # text held back while a tool call is collected
                 deltas = deltas or [{}]
             logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
             last = len(deltas) - 1

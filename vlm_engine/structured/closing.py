@@ -3,10 +3,12 @@
 A model whose free text is noise can wander inside a JSON string or a digit run until
 `max_tokens`, leaving output that does not parse. The closer keeps one invariant for every
 constrained request: the tokens left always suffice to reach an accepting state. It measures a
-short completion from the current state greedily, one printable character token at a time in a
-fixed preference order (close strings and containers first, then the shortest values), and
-only near the end of the budget: there it forces that completion's next token, and it swaps a
-sampled token that would break the invariant for the completion's first one.
+short completion from the current state greedily (forced stretches in the grammar's own tokens,
+otherwise one printable character at a time: close strings and containers first, then the
+shortest values; two preference orders, the shorter result wins; repeated characters are
+skipped so a run cannot loop), and only near the end of the budget: there it forces that
+completion, and it swaps a sampled token that would break the invariant for the completion's
+first one (or ends the output, if it was complete without that token).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class GrammarCompiler:
 
         try:
             text = grammar_text(spec)
-        except Exception as exc:  # llguidance's converters (GBNF -> Lark) raise plain Exceptions
+        except Exception as exc:  # noqa: BLE001 - llguidance's GBNF -> Lark converter raises plain Exceptions
             raise StructuredOutputError(f"invalid {_kind_name(spec)}: {exc}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.ll_tokenizer)
         if is_error:
@@ -135,6 +135,9 @@ class GrammarMatcher:
         if self.ignore_eos:
             for t in self.compiler.eos_token_ids:
                 row[t >> 5] &= ~np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        if not row.any():  # nothing allowed (an error state): let it end rather than sample from -inf
+            for t in self.compiler.eos_token_ids:
+                row[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
 
     # ---- after sampling --------------------------------------------------------------------
 
