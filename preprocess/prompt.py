@@ -70,10 +70,18 @@ class PromptProcessor:
             getattr(vision, "spatial_merge_size", 1) if vision is not None else 1,
         )
         self.uses_mrope = vision is not None
+        # placard-default (vlm_engine/models/placard.py): each image becomes the text of its
+        # classifier labels, computed here; the chat template is SmolLM2's own.
+        self.labels_images = bool(getattr(config, "placard_labels", None))
+        self._labeller: Any = None
 
     @property
     def is_multimodal(self) -> bool:
         return self.processor is not None
+
+    @property
+    def accepts_images(self) -> bool:
+        return self.processor is not None or self.labels_images
 
     # ---- entry points ---------------------------------------------------------------------
 
@@ -86,6 +94,8 @@ class PromptProcessor:
             text = template_owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
+        if self.labels_images:
+            return self._process_label_spans(text, images)
         if not self.is_multimodal:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return self._finish(list(ids), text=text)
@@ -162,7 +172,7 @@ class PromptProcessor:
                 raise PromptError(f"{where}.text must be a string", param=where)
             return {"type": "text", "text": text}
         if kind in ("image_url", "image"):
-            if not self.is_multimodal:
+            if not self.accepts_images:
                 raise PromptError("this model does not accept images", param=where)
             source = part.get("image_url") if kind == "image_url" else part.get("image")
             if isinstance(source, dict):
@@ -174,6 +184,8 @@ class PromptProcessor:
             except ValueError as exc:
                 message = getattr(exc, "message", str(exc))
                 raise PromptError(message, param=where) from exc
+            if self.labels_images:
+                return {"type": "text", "text": _IMAGE_MARKER}
             return {"type": "image"}
         raise PromptError(f"{where}: content part type {kind!r} is not supported", param=where)
 
@@ -195,6 +207,36 @@ class PromptProcessor:
                 media.append(MediaInput("image", MediaSpan(offset, length, content_hash), pixels, grid))
         return self._finish(token_ids, media, text)
 
+    def _process_label_spans(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+        """Each image marker becomes "A picture. An image classifier says it shows:" and a span of
+        placeholders as long as the image's label text (the encoder input: its token ids)."""
+        import torch
+
+        from vlm_engine.models import placard
+        from vlm_engine.models.efficientnet_lite import preprocess as classifier_input
+
+        pieces = text.split(_IMAGE_MARKER)
+        if len(pieces) != len(images) + 1:
+            raise PromptError("image parts could not be placed in the chat template", param="messages")
+        spans: list[list[int]] = []
+        if images:
+            if self._labeller is None:
+                self._labeller = placard.ImageLabeller(self.tokenizer)
+            spans = self._labeller.span_ids(torch.stack([classifier_input(image) for image in images]))
+        encode = self.tokenizer.encode
+        token_ids: list[int] = []
+        media: list[MediaInput] = []
+        for n, piece in enumerate(pieces):
+            token_ids += encode(piece, add_special_tokens=False)
+            if n == len(images):
+                break
+            token_ids += encode(placard.FIRST_PICTURE if n == 0 else placard.NEXT_PICTURE, add_special_tokens=False)
+            span = MediaSpan(len(token_ids), len(spans[n]), hash_to_int(image_content_hash(images[n])))
+            media.append(MediaInput("image", span, torch.tensor(spans[n], dtype=torch.int32), (1, 1, 1)))
+            token_ids += [placard.PLACEHOLDER_TOKEN_ID] * len(spans[n])
+            token_ids += encode(placard.AFTER_PICTURE, add_special_tokens=False)
+        return self._finish(token_ids, media, text)
+
     def _finish(self, token_ids: list[int], media: list[MediaInput] | None = None, text: str | None = None) -> ProcessedPrompt:
         media = media or []
         prompt = ProcessedPrompt(token_ids=token_ids, media=media, text=text)
@@ -207,6 +249,9 @@ class PromptProcessor:
                 self.media_tokens.spatial_merge_size,
             )
         return prompt
+
+
+_IMAGE_MARKER = "\x00image\x00"  # where an image sits in the rendered template (label-span models)
 
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:

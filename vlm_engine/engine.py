@@ -90,7 +90,7 @@ class StepFailed(RuntimeError):
 class Engine:
     def __init__(
         self,
-        model: str,
+        model: str = "placard-default",  # registry.DEFAULT_MODEL: the classifier + SmolLM2 demonstration
         dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,

