@@ -13,6 +13,7 @@ first one (or ends the output, if it was complete without that token).
 
 from __future__ import annotations
 
+import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,6 @@ class Closer:
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> Closer:
-        from vlm_engine.structured.grammar import printable_single_char_tokens
-
         singles = printable_single_char_tokens(tokenizer)
         orders = [
             [singles[c] for c in dict.fromkeys(order) if c in singles] for order in (PREFERENCE, TERMINATORS_FIRST)
@@ -157,3 +156,15 @@ class ClosingState:
             return before[0] if before else END
         matcher.consume_token(token)  # no completion either way: keep the model's token
         return None
+
+
+def printable_single_char_tokens(tokenizer: Any) -> dict[str, int]:
+    """Printable ASCII characters that are a token of their own, with their ids."""
+    found: dict[str, int] = {}
+    for ch in string.printable:
+        if ch in "\t\n\r\x0b\x0c":
+            continue
+        ids = tokenizer.encode(ch, add_special_tokens=False)
+        if len(ids) == 1 and tokenizer.decode(ids) == ch:
+            found[ch] = ids[0]
+    return found

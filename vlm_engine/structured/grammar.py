@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import string
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -126,18 +125,16 @@ class GrammarMatcher:
         forced = self.closing.forced_token(self.m, remaining)
         if forced == END and self.ignore_eos:
             forced = None  # cannot end with EOS: let the grammar's mask decide
+        eos = self.compiler.eos_token_ids
         if forced is not None:
             row[:] = 0
-            for token in self.compiler.eos_token_ids if forced == END else (forced,):
-                row[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+            _set_bits(row, eos if forced == END else [forced], True)
             return
         self.m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self.ignore_eos:
-            for t in self.compiler.eos_token_ids:
-                row[t >> 5] &= ~np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            _set_bits(row, eos, False)
         if not row.any():  # nothing allowed (an error state): let it end rather than sample from -inf
-            for t in self.compiler.eos_token_ids:
-                row[t >> 5] |= np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+            _set_bits(row, eos, True)
 
     # ---- after sampling --------------------------------------------------------------------
 
@@ -172,6 +169,16 @@ class GrammarMatcher:
         return bool(self.m.is_accepting())
 
 
+def _set_bits(row: np.ndarray, tokens: list[int], allowed: bool) -> None:
+    """Allow or forbid tokens in one int32-word bitmask row (bit t % 32 of word t // 32)."""
+    for t in tokens:
+        bit = np.uint32(1 << (t & 31)).view(np.int32)
+        if allowed:
+            row[t >> 5] |= bit
+        else:
+            row[t >> 5] &= ~bit
+
+
 def build_bitmask(items: list[tuple[int, GrammarMatcher, int]], words: int) -> tuple[list[int], np.ndarray]:
     """Masks for the constrained rows of one step: items are (row, matcher, remaining); returns
     the rows and their [len(rows), words] int32 bitmask (bit t of a row: token t is allowed)."""
@@ -179,15 +186,3 @@ def build_bitmask(items: list[tuple[int, GrammarMatcher, int]], words: int) -> t
     for k, (_, matcher, remaining) in enumerate(items):
         matcher.fill_mask(bitmask[k], remaining)
     return [row for row, _, _ in items], bitmask
-
-
-def printable_single_char_tokens(tokenizer: Any) -> dict[str, int]:
-    """Printable ASCII characters that are a token of their own, with their ids."""
-    found: dict[str, int] = {}
-    for ch in string.printable:
-        if ch in "\t\n\r\x0b\x0c":
-            continue
-        ids = tokenizer.encode(ch, add_special_tokens=False)
-        if len(ids) == 1 and tokenizer.decode(ids) == ch:
-            found[ch] = ids[0]
-    return found

@@ -110,10 +110,12 @@ def from_structured_outputs(value: Any, param: str = "structured_outputs") -> St
         return None
     if not isinstance(value, dict):
         raise StructuredOutputError(f"'{param}' must be an object", param=param)
+    # `json_object: false` asks for nothing, like a missing key.
     given = {
-        k: v for k, v in value.items() if k in ("json", "regex", "choice", "grammar", "json_object") and v is not None
+        k: v
+        for k, v in value.items()
+        if k in ("json", "regex", "choice", "grammar", "json_object") and v is not None and v is not False
     }
-    given.pop("json_object", None) if given.get("json_object") is False else None
     if len(given) != 1:
         raise StructuredOutputError(
             f"'{param}' needs exactly one of 'json', 'regex', 'choice', 'grammar', 'json_object'", param=param
