@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast install clean bench
+.PHONY: serve test test-fast install browser clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,12 +25,20 @@ $(STAMP): pyproject.toml Makefile | $(BIN)/python
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/vlm-engine serve $(ARGS)
+	$(BIN)/vlm-engine serve --app placard $(ARGS)
 
-test: $(STAMP)
+# The placard page's browser test drives Debian's chromium through Playwright (a fake camera
+# needs a real browser). Installed once, as root or through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) browser
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -60,6 +60,8 @@ def server(tiny_vlm_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         "2",
         "--max-image-bytes",
         "100000",
+        "--allowed-origins",
+        "http://placard.example",
         api_key=API_KEY,
     )
     with running(srv):
@@ -132,6 +134,29 @@ def test_health_was_503_while_loading_and_models_listed(server: ServerProcess, c
     raw = httpx.get(server.base_url + "/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
     assert raw["object"] == "list"
     assert_exact_schema(Model, raw["data"][0])
+
+
+def test_no_web_app_unless_asked(server: ServerProcess) -> None:
+    # Without --app the server is the API alone: no page, no redirect from /.
+    assert httpx.get(server.url + "/").status_code == 404
+    assert httpx.get(server.url + "/placard/").status_code == 404
+
+
+def test_cors_allows_only_the_configured_origins(server: ServerProcess) -> None:
+    def preflight(origin: str) -> httpx.Response:
+        headers = {
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        return httpx.options(server.base_url + "/chat/completions", headers=headers)
+
+    allowed = preflight("http://placard.example")
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "http://placard.example"
+    assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+    refused = preflight("http://elsewhere.example")
+    assert "access-control-allow-origin" not in refused.headers
 
 
 def test_chat_non_streaming_exact_schema(server: ServerProcess) -> None:

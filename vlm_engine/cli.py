@@ -36,7 +36,12 @@ def _mm_limit(text: str) -> int:
     return int(text)
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(o.strip().rstrip("/") for o in text.split(",") if o.strip())
+
+
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from vlm_engine.server.apps import APPS
     from vlm_engine.server.config import DEFAULT_MODEL, ServerConfig
 
     d = ServerConfig()
@@ -88,6 +93,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--tool-call-parser", default=d.tool_call_parser, help="how tool_choice=auto finds calls in the text (hermes)"
     )
+    w = p.add_argument_group("web")
+    w.add_argument("--app", default=None, choices=sorted(APPS), help="also serve this web app at /APP (/ redirects)")
+    w.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=d.allowed_origins,
+        help="comma-separated origins allowed by CORS ('*' for any; default: same origin only)",
+    )
     o = p.add_argument_group("process")
     o.add_argument(
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
@@ -125,6 +138,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_redirects=args.max_redirects,
         max_n=args.max_n,
         tool_call_parser=args.tool_call_parser,
+        app=args.app,
+        allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         side_process_nice=args.side_process_nice,

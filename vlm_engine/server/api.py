@@ -18,11 +18,13 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlm_engine import ipc
 from vlm_engine.server import protocol as P
+from vlm_engine.server.apps import mount_app
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient, RequestHandle
 from vlm_engine.server.metrics import render_metrics
@@ -335,6 +337,15 @@ def build_app(state: ServerState) -> FastAPI:
     config = state.config
     client = state.client
     app = FastAPI(title="vlm-engine", docs_url=None, redoc_url=None, openapi_url=None)
+    if config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    if config.app is not None:
+        mount_app(app, config.app)
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:

@@ -38,6 +38,11 @@ class ServerConfig:
     max_request_bytes: int = 64 * 1024 * 1024  # JSON body cap (413 above it); images come base64-encoded
     tool_call_parser: str = "hermes"  # how tool_choice="auto" finds calls in text (server.tool_parsers)
 
+    # Web: a static app hosted next to the API (server.apps), and the origins allowed by CORS
+    # (empty: same origin only; ("*",) lets a page served anywhere call this server).
+    app: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+
     # Process behaviour.
     shutdown_timeout_s: float = 5.0  # grace for in-flight requests on SIGTERM before they are aborted
     # API, preprocess and detokenizer yield the cores to the engine core. Measured (SmolLM2, 2 cores,
@@ -55,7 +60,11 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.limit_mm_per_prompt < 0:
             raise ValueError("limit_mm_per_prompt must be >= 0")
+        from vlm_engine.server.apps import APPS
         from vlm_engine.server.tool_parsers import TOOL_PARSERS
+
+        if self.app is not None and self.app not in APPS:
+            raise ValueError(f"app must be one of {sorted(APPS)}")
 
         if self.tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}")
