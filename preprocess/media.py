@@ -32,7 +32,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from preprocess.errors import MediaError
 
-__all__ = ["MediaLimits", "decode_image", "load_image", "load_image_async"]
+__all__ = ["MediaLimits", "decode_image", "load_image", "load_image_async", "load_media_bytes"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class MediaLimits:
 
     # Encoded size cap: data URI payload, HTTP body, local file.
     max_image_bytes: int = 20 * 1024 * 1024
+    max_video_bytes: int = 64 * 1024 * 1024
     # width*height cap checked from the header before the full decode
     # (decompression-bomb guard).
     max_image_pixels: int = 40_000_000
@@ -52,8 +53,8 @@ class MediaLimits:
     allowed_local_media_path: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_image_bytes <= 0:
-            raise ValueError("max_image_bytes must be positive")
+        if self.max_image_bytes <= 0 or self.max_video_bytes <= 0:
+            raise ValueError("max_image_bytes and max_video_bytes must be positive")
         if self.max_image_pixels <= 0:
             raise ValueError("max_image_pixels must be positive")
         if self.fetch_timeout_s <= 0:
@@ -64,6 +65,9 @@ class MediaLimits:
             # realpath("") is the CWD; an empty string is far more likely a
             # config mistake than a request to expose the working directory.
             raise ValueError("allowed_local_media_path must be None or a directory")
+
+    def max_bytes(self, kind: str) -> int:
+        return self.max_video_bytes if kind == "video" else self.max_image_bytes
 
 
 DEFAULT_LIMITS = MediaLimits()
@@ -114,19 +118,18 @@ class _LocalPath:
 _Source = Union[Image.Image, _DataUri, _HttpUrl, _LocalPath]
 
 
-def _parse_source(source: object) -> _Source:
+def _parse_source(source: object, kind: str = "image") -> _Source:
     if isinstance(source, Image.Image):
         return source
     if not isinstance(source, str):
         raise MediaError(
-            f"unsupported image source type {type(source).__name__}; "
-            "expected a URL, data URI, file path or PIL image"
+            f"unsupported {kind} source type {type(source).__name__}; expected a URL, data URI, file path or PIL image"
         )
     if not source:
-        raise MediaError("empty image source")
+        raise MediaError(f"empty {kind} source")
     scheme = _scheme_of(source)
     if scheme == "data":
-        return _parse_data_uri(source)
+        return _parse_data_uri(source, kind)
     if scheme in ("http", "https"):
         if not _split_url(source).hostname:
             raise MediaError("invalid image URL: missing host")
@@ -134,10 +137,7 @@ def _parse_source(source: object) -> _Source:
     if scheme == "file":
         return _LocalPath(_path_from_file_url(source))
     if scheme:
-        raise MediaError(
-            f"unsupported image URL scheme {scheme[:20]!r}; "
-            "expected http, https, data or file"
-        )
+        raise MediaError(f"unsupported image URL scheme {scheme[:20]!r}; expected http, https, data or file")
     return _LocalPath(source)
 
 
@@ -159,15 +159,17 @@ def _scheme_of(source: str) -> str:
     return ""
 
 
-def _parse_data_uri(uri: str) -> _DataUri:
-    header, comma, payload = uri[len("data:"):].partition(",")
+def _parse_data_uri(uri: str, kind: str = "image") -> _DataUri:
+    header, comma, payload = uri[len("data:") :].partition(",")
     if not comma:
         raise MediaError("malformed data URI: missing ','")
     parts = [p.strip().lower() for p in header.split(";")]
     mime, params = parts[0], parts[1:]
-    if not mime.startswith("image/"):
+    # Containers are often sent as application/octet-stream (or e.g. application/mp4).
+    accepted = ("video/", "application/") if kind == "video" else ("image/",)
+    if not mime.startswith(accepted):
         shown = mime[:64] or "text/plain"  # RFC 2397 default media type
-        raise MediaError(f"unsupported media type {shown!r} in data URI; expected image/*")
+        raise MediaError(f"unsupported media type {shown!r} in data URI; expected {kind}/*")
     if not params or params[-1] != "base64":
         raise MediaError("data URI must be base64-encoded (';base64,')")
     if not payload:
@@ -191,15 +193,15 @@ def _path_from_file_url(url: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def _too_large(limits: MediaLimits) -> MediaError:
-    return MediaError(f"image too large: more than {limits.max_image_bytes} bytes")
+def _too_large(limits: MediaLimits, kind: str = "image") -> MediaError:
+    return MediaError(f"{kind} too large: more than {limits.max_bytes(kind)} bytes")
 
 
-def _decode_data_uri(uri: _DataUri, limits: MediaLimits) -> bytes:
+def _decode_data_uri(uri: _DataUri, limits: MediaLimits, kind: str = "image") -> bytes:
     # Reject on the encoded length first so an oversized payload is never
     # decoded into memory. 4 base64 chars carry 3 bytes.
-    if len(uri.payload) > 4 * -(-limits.max_image_bytes // 3):
-        raise _too_large(limits)
+    if len(uri.payload) > 4 * -(-limits.max_bytes(kind) // 3):
+        raise _too_large(limits, kind)
     try:
         # validate=True: characters outside the alphabet are an error instead
         # of being silently skipped, so garbage can't decode to "something".
@@ -208,12 +210,12 @@ def _decode_data_uri(uri: _DataUri, limits: MediaLimits) -> bytes:
         raise MediaError("invalid base64 payload in data URI") from None
     if not data:
         raise MediaError("data URI has an empty payload")
-    if len(data) > limits.max_image_bytes:
-        raise _too_large(limits)
+    if len(data) > limits.max_bytes(kind):
+        raise _too_large(limits, kind)
     return data
 
 
-def _read_local_file(local: _LocalPath, limits: MediaLimits) -> bytes:
+def _read_local_file(local: _LocalPath, limits: MediaLimits, kind: str = "image") -> bytes:
     if limits.allowed_local_media_path is None:
         raise MediaError("local file paths are not allowed on this server")
     if "\0" in local.path:
@@ -232,25 +234,25 @@ def _read_local_file(local: _LocalPath, limits: MediaLimits) -> bytes:
         # O_NONBLOCK: opening a FIFO must not hang the worker.
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise MediaError("local image file not found") from None
+        raise MediaError(f"local {kind} file not found") from None
     except OSError:
-        raise MediaError("local image file cannot be read") from None
+        raise MediaError(f"local {kind} file cannot be read") from None
     try:
         # fstat on the open descriptor: checks the object we will read, not
         # whatever the path points to by now.
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise MediaError("local image path is not a regular file")
-        if st.st_size > limits.max_image_bytes:
-            raise _too_large(limits)
+            raise MediaError(f"local {kind} path is not a regular file")
+        if st.st_size > limits.max_bytes(kind):
+            raise _too_large(limits, kind)
         # +1 so a file that grew after fstat is still caught.
-        data = _read_up_to(fd, limits.max_image_bytes + 1)
+        data = _read_up_to(fd, limits.max_bytes(kind) + 1)
     except OSError:
-        raise MediaError("local image file cannot be read") from None
+        raise MediaError(f"local {kind} file cannot be read") from None
     finally:
         os.close(fd)
-    if len(data) > limits.max_image_bytes:
-        raise _too_large(limits)
+    if len(data) > limits.max_bytes(kind):
+        raise _too_large(limits, kind)
     return data
 
 
@@ -285,56 +287,56 @@ def _http_client_kwargs(limits: MediaLimits) -> dict:
     }
 
 
-def _check_http_response(response: httpx.Response, limits: MediaLimits) -> None:
+def _check_http_response(response: httpx.Response, limits: MediaLimits, kind: str = "image") -> None:
     if not response.is_success:
-        raise MediaError(f"failed to fetch image: HTTP {response.status_code}")
+        raise MediaError(f"failed to fetch {kind}: HTTP {response.status_code}")
     declared = response.headers.get("content-length", "")
     # Fail before downloading anything when the server announces the size;
     # the streaming check below still guards lying or absent headers.
-    if declared.isdigit() and int(declared) > limits.max_image_bytes:
-        raise _too_large(limits)
+    if declared.isdigit() and int(declared) > limits.max_bytes(kind):
+        raise _too_large(limits, kind)
 
 
-def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: float) -> None:
+def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: float, kind: str = "image") -> None:
     body += chunk
-    if len(body) > limits.max_image_bytes:
-        raise _too_large(limits)
+    if len(body) > limits.max_bytes(kind):
+        raise _too_large(limits, kind)
     # A server trickling bytes never trips the per-read timeout; this bounds
     # the whole download.
     if time.monotonic() > deadline:
-        raise _fetch_timeout(limits)
+        raise _fetch_timeout(limits, kind)
 
 
-def _fetch_timeout(limits: MediaLimits) -> MediaError:
-    return MediaError(f"timed out fetching image (limit {limits.fetch_timeout_s:g}s)")
+def _fetch_timeout(limits: MediaLimits, kind: str = "image") -> MediaError:
+    return MediaError(f"timed out fetching {kind} (limit {limits.fetch_timeout_s:g}s)")
 
 
-def _http_error(exc: BaseException, limits: MediaLimits) -> MediaError:
+def _http_error(exc: BaseException, limits: MediaLimits, kind: str = "image") -> MediaError:
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
-        return _fetch_timeout(limits)
+        return _fetch_timeout(limits, kind)
     if isinstance(exc, httpx.TooManyRedirects):
-        return MediaError(f"failed to fetch image: more than {limits.max_redirects} redirects")
+        return MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
     detail = str(exc)[:_MAX_DETAIL_CHARS] or type(exc).__name__
-    return MediaError(f"failed to fetch image: {detail}")
+    return MediaError(f"failed to fetch {kind}: {detail}")
 
 
-def _fetch_http(url: str, limits: MediaLimits) -> bytes:
+def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
     body = bytearray()
     try:
         with httpx.Client(**_http_client_kwargs(limits)) as client:
             with client.stream("GET", url) as response:
-                _check_http_response(response, limits)
+                _check_http_response(response, limits, kind)
                 for chunk in response.iter_bytes():
-                    _append_chunk(body, chunk, limits, deadline)
+                    _append_chunk(body, chunk, limits, deadline, kind)
     except MediaError:
         raise
     except Exception as exc:  # httpx, ssl, invalid URLs...: all client-facing
-        raise _http_error(exc, limits) from exc
+        raise _http_error(exc, limits, kind) from exc
     return bytes(body)
 
 
-async def _fetch_http_async(url: str, limits: MediaLimits) -> bytes:
+async def _fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
     body = bytearray()
     try:
@@ -343,13 +345,13 @@ async def _fetch_http_async(url: str, limits: MediaLimits) -> bytes:
         async with asyncio.timeout(limits.fetch_timeout_s):
             async with httpx.AsyncClient(**_http_client_kwargs(limits)) as client:
                 async with client.stream("GET", url) as response:
-                    _check_http_response(response, limits)
+                    _check_http_response(response, limits, kind)
                     async for chunk in response.aiter_bytes():
-                        _append_chunk(body, chunk, limits, deadline)
+                        _append_chunk(body, chunk, limits, deadline, kind)
     except MediaError:
         raise
     except Exception as exc:
-        raise _http_error(exc, limits) from exc
+        raise _http_error(exc, limits, kind) from exc
     return bytes(body)
 
 
@@ -382,9 +384,7 @@ def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:
         limit = min(limit, int(Image.MAX_IMAGE_PIXELS))
     pixels = width * height
     if pixels > limit:
-        raise MediaError(
-            f"image too large: {width}x{height} = {pixels} pixels exceeds the limit of {limit}"
-        )
+        raise MediaError(f"image too large: {width}x{height} = {pixels} pixels exceeds the limit of {limit}")
 
 
 def decode_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
@@ -403,8 +403,7 @@ def decode_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Ima
         raise
     except UnidentifiedImageError:
         raise MediaError(
-            "could not decode image: unrecognized or unsupported format "
-            f"(supported: {', '.join(_image_formats())})"
+            f"could not decode image: unrecognized or unsupported format (supported: {', '.join(_image_formats())})"
         ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # Raised by Image.open before our own check can run (the warning only
@@ -501,9 +500,7 @@ def _load_offline(source: _Source, limits: MediaLimits) -> Image.Image:
     return decode_image(data, limits)
 
 
-def load_image(
-    source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS
-) -> Image.Image:
+def load_image(source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
     """Load, validate and decode an image into a new RGB ``PIL.Image``.
 
     Raises ``MediaError`` (and nothing else) for any problem with the source.
@@ -514,12 +511,31 @@ def load_image(
     return _load_offline(parsed, limits)
 
 
-async def load_image_async(
-    source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS
-) -> Image.Image:
+async def load_image_async(source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
     """Async ``load_image``: network I/O on the event loop, decoding in a thread."""
     parsed = _parse_source(source)
     if isinstance(parsed, _HttpUrl):
         data = await _fetch_http_async(parsed.url, limits)
         return await asyncio.to_thread(decode_image, data, limits)
     return await asyncio.to_thread(_load_offline, parsed, limits)
+
+
+def load_media_bytes(source: str | bytes, limits: MediaLimits = DEFAULT_LIMITS, kind: str = "video") -> bytes:
+    """The encoded bytes a source names (data URI, http(s) URL, allowed local path), under the
+    same checks as images and `limits.max_bytes(kind)`. Videos are decoded elsewhere
+    (`preprocess.video`): a container needs seeking, not one decode call."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if not data:
+            raise MediaError(f"empty {kind}")
+        if len(data) > limits.max_bytes(kind):
+            raise _too_large(limits, kind)
+        return data
+    parsed = _parse_source(source, kind)
+    if isinstance(parsed, Image.Image):
+        raise MediaError(f"a {kind} source must be a URL, data URI, path or bytes")
+    if isinstance(parsed, _HttpUrl):
+        return _fetch_http(parsed.url, limits, kind)
+    if isinstance(parsed, _DataUri):
+        return _decode_data_uri(parsed, limits, kind)
+    return _read_local_file(parsed, limits, kind)
