@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
+from preprocess.errors import MediaError
 from preprocess.hashing import hash_to_int, image_content_hash
-from preprocess.media import DEFAULT_LIMITS, MediaLimits, load_image
+from preprocess.media import DEFAULT_LIMITS, MediaLimits, load_image, load_media_bytes
+from preprocess.video import (
+    DecodedVideo,
+    FrameCache,
+    VideoLimits,
+    VideoSampling,
+    hf_indices,
+    load_video,
+    uniform_indices,
+)
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
 
@@ -49,12 +60,22 @@ class PromptProcessor:
         gguf_file: str | None = None,
         limits: MediaLimits = DEFAULT_LIMITS,
         max_images: int | None = None,
+        max_videos: int | None = None,
+        video_limits: VideoLimits | None = None,
+        video_sampling: VideoSampling | None = None,
+        frame_cache: FrameCache | None = None,
+        video_device: str = "cpu",
     ) -> None:
         from transformers import AutoProcessor, AutoTokenizer
 
         self.config = config
         self.limits = limits
         self.max_images = max_images
+        self.max_videos = max_videos
+        self.video_limits = video_limits or VideoLimits(max_video_bytes=limits.max_video_bytes)
+        self.video_sampling = video_sampling or VideoSampling()  # the server's --video-fps/--video-max-frames
+        self.frame_cache = frame_cache if frame_cache is not None else FrameCache()
+        self.video_device = video_device  # where the processor resizes/normalizes frames (select_video_device)
         self.processor: Any = None
         vision = getattr(config, "vision_config", None)
         if gguf_file:
@@ -83,11 +104,26 @@ class PromptProcessor:
     def accepts_images(self) -> bool:
         return self.processor is not None or self.labels_images
 
+    @property
+    def accepts_videos(self) -> bool:
+        return self.labels_images or (
+            self.processor is not None
+            and getattr(self.processor, "video_processor", None) is not None
+            and self.media_tokens.video_token_id is not None
+        )
+
     # ---- entry points ---------------------------------------------------------------------
 
-    def from_messages(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does."""
-        hf_messages, images = self._convert_messages(messages)
+    def from_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does.
+        `mm_processor_kwargs` may set the video sampling (`fps`, `max_frames`) for every video part
+        that does not set its own."""
+        hf_messages, images, videos = self._convert_messages(messages, self._request_sampling(mm_processor_kwargs))
         template_owner = self.processor if self.is_multimodal else self.tokenizer
         extra = {"tools": tools} if tools else {}
         try:
@@ -95,11 +131,11 @@ class PromptProcessor:
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
         if self.labels_images:
-            return self._process_label_spans(text, images)
+            return self._process_label_spans(text, images, videos)
         if not self.is_multimodal:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             return self._finish(list(ids), text=text)
-        return self._process_multimodal(text, images)
+        return self._process_multimodal(text, images, videos)
 
     def from_text(self, text: str) -> ProcessedPrompt:
         if not text:
@@ -129,12 +165,37 @@ class PromptProcessor:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _convert_messages(self, messages: Any) -> tuple[list[dict[str, Any]], list[Image.Image]]:
-        """OpenAI message list -> the Transformers chat format, loading every image on the way."""
+    def _request_sampling(self, kwargs: dict[str, Any] | None) -> VideoSampling:
+        if not kwargs:
+            return self.video_sampling
+        if not isinstance(kwargs, dict):
+            raise PromptError("mm_processor_kwargs must be an object", param="mm_processor_kwargs")
+        return self._sampling_from(kwargs, self.video_sampling, "mm_processor_kwargs")
+
+    def _sampling_from(self, fields: dict[str, Any], base: VideoSampling, where: str) -> VideoSampling:
+        """`fps` / `max_frames` from a part or mm_processor_kwargs, over `base`, within the limits."""
+        fps, max_frames = fields.get("fps", base.fps), fields.get("max_frames", base.max_frames)
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 60:
+            raise PromptError(f"{where}: fps must be a number in (0, 60], got {fps!r}", param=where)
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
+            raise PromptError(f"{where}: max_frames must be a positive integer, got {max_frames!r}", param=where)
+        if max_frames > self.video_limits.max_frames:
+            raise PromptError(
+                f"{where}: max_frames {max_frames} is above this server's limit of {self.video_limits.max_frames}",
+                param=where,
+            )
+        return VideoSampling(fps=float(fps), max_frames=max_frames)
+
+    def _convert_messages(
+        self, messages: Any, sampling: VideoSampling | None = None
+    ) -> tuple[list[dict[str, Any]], list[Image.Image], list[DecodedVideo]]:
+        """OpenAI message list -> the Transformers chat format, loading every image and video on the way."""
         if not isinstance(messages, list) or not messages:
             raise PromptError("messages must be a non-empty list", param="messages")
+        sampling = sampling or self.video_sampling
         converted: list[dict[str, Any]] = []
         images: list[Image.Image] = []
+        videos: list[DecodedVideo] = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise PromptError(f"messages[{i}] must be an object with a role", param=f"messages[{i}]")
@@ -149,8 +210,13 @@ class PromptProcessor:
                 converted.append({"role": role, "content": content, **extra})
                 continue
             if not isinstance(content, list):
-                raise PromptError(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
-            parts = [self._convert_part(part, f"messages[{i}].content[{j}]", images) for j, part in enumerate(content)]
+                raise PromptError(
+                    f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content"
+                )
+            parts = [
+                self._convert_part(part, f"messages[{i}].content[{j}]", images, videos, sampling)
+                for j, part in enumerate(content)
+            ]
             if not self.is_multimodal:
                 # Text-only templates expect a string; parts are plain text here.
                 converted.append({"role": role, "content": "".join(p["text"] for p in parts), **extra})
@@ -160,9 +226,11 @@ class PromptProcessor:
             raise PromptError(
                 f"at most {self.max_images} images per prompt are allowed, got {len(images)}", param="messages"
             )
-        return converted, images
+        return converted, images, videos
 
-    def _convert_part(self, part: Any, where: str, images: list[Image.Image]) -> dict[str, Any]:
+    def _convert_part(
+        self, part: Any, where: str, images: list[Image.Image], videos: list[DecodedVideo], sampling: VideoSampling
+    ) -> dict[str, Any]:
         if not isinstance(part, dict) or "type" not in part:
             raise PromptError(f"{where} must be an object with a type", param=where)
         kind = part["type"]
@@ -187,57 +255,121 @@ class PromptProcessor:
             if self.labels_images:
                 return {"type": "text", "text": _IMAGE_MARKER}
             return {"type": "image"}
+        if kind in ("video_url", "video"):
+            videos.append(self._load_video_part(part, kind, where, sampling, len(videos)))
+            if self.labels_images:
+                return {"type": "text", "text": _VIDEO_MARKER}
+            return {"type": "video"}
         raise PromptError(f"{where}: content part type {kind!r} is not supported", param=where)
 
-    def _process_multimodal(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _load_video_part(
+        self, part: dict[str, Any], kind: str, where: str, sampling: VideoSampling, loaded: int
+    ) -> DecodedVideo:
+        """`{"type": "video_url", "video_url": {"url": ..., "fps"?, "max_frames"?}}` or
+        `{"type": "video", "video": <path | URL | bytes>, "fps"?, "max_frames"?}`."""
+        if not self.accepts_videos:
+            raise PromptError("this model does not accept videos", param=where)
+        if self.max_videos is not None and loaded >= self.max_videos:
+            raise PromptError(f"at most {self.max_videos} videos per prompt are allowed", param=where)
+        source = part.get("video_url") if kind == "video_url" else part.get("video")
+        fields = {k: part[k] for k in ("fps", "max_frames") if k in part}
+        if isinstance(source, dict):
+            fields.update({k: source[k] for k in ("fps", "max_frames") if k in source})
+            source = source.get("url")
+        if not isinstance(source, (str, bytes, bytearray)):
+            raise PromptError(f"{where} needs a video url", param=where)
+        wanted = self._sampling_from(fields, sampling, where) if fields else sampling
+        choose, sampler_id = uniform_indices, "uniform"
+        if not self.labels_images:
+            choose, sampler_id = (
+                hf_indices(self.processor.video_processor),
+                type(self.processor.video_processor).__name__,
+            )
         try:
-            inputs = self.processor(text=[text], images=images or None, return_tensors="pt")
+            data = load_media_bytes(source, self.limits, "video")
+            return load_video(data, wanted, choose, self.video_limits, self.frame_cache, sampler_id)
+        except MediaError as exc:
+            raise PromptError(f"{where}: {exc.message}", param=where) from exc
+
+    def _process_multimodal(self, text: str, images: list[Image.Image], videos: list[DecodedVideo]) -> ProcessedPrompt:
+        try:
+            inputs = self.processor(
+                text=[text],
+                images=images or None,
+                videos=[v.frames for v in videos] or None,
+                do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
+                return_tensors="pt",
+                **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
+            )
         except Exception as exc:
-            raise PromptError(f"could not process the images: {exc}", param="messages") from exc
+            raise PromptError(f"could not process the media: {exc}", param="messages") from exc
         token_ids = inputs["input_ids"][0].tolist()
         media: list[MediaInput] = []
-        if images:
-            grids = [tuple(int(x) for x in g) for g in inputs["image_grid_thw"].tolist()]
-            pixel_chunks = inputs["pixel_values"].split([t * h * w for t, h, w in grids])
-            spans = _placeholder_runs(token_ids, self.media_tokens.image_token_id)
-            if len(spans) != len(images):
-                raise PromptError(f"found {len(spans)} image placeholders for {len(images)} images", param="messages")
-            for (offset, length), image, grid, pixels in zip(spans, images, grids, pixel_chunks):
-                content_hash = hash_to_int(image_content_hash(image))
-                media.append(MediaInput("image", MediaSpan(offset, length, content_hash), pixels, grid))
+        kinds = [
+            ("image", images, "image_grid_thw", "pixel_values", self.media_tokens.image_token_id),
+            ("video", videos, "video_grid_thw", "pixel_values_videos", self.media_tokens.video_token_id),
+        ]
+        for kind, items, grid_key, pixel_key, placeholder in kinds:
+            if not items:
+                continue
+            grids = [tuple(int(x) for x in g) for g in inputs[grid_key].tolist()]
+            pixel_chunks = inputs[pixel_key].cpu().split([t * h * w for t, h, w in grids])  # IPC frames are host memory
+            spans = _placeholder_runs(token_ids, placeholder)
+            if len(spans) != len(items):
+                raise PromptError(f"found {len(spans)} {kind} placeholders for {len(items)} {kind}s", param="messages")
+            for (offset, length), item, grid, pixels in zip(spans, items, grids, pixel_chunks):
+                content_hash = hash_to_int(image_content_hash(item)) if kind == "image" else item.content_hash
+                media.append(MediaInput(kind, MediaSpan(offset, length, content_hash), pixels, grid))
+        media.sort(key=lambda m: m.span.offset)
         return self._finish(token_ids, media, text)
 
-    def _process_label_spans(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _process_label_spans(self, text: str, images: list[Image.Image], videos: list[DecodedVideo]) -> ProcessedPrompt:
         """Each image marker becomes "A picture. An image classifier says it shows:" and a span of
-        placeholders as long as the image's label text (the encoder input: its token ids)."""
+        placeholders as long as the image's label text (the encoder input: its token ids); each
+        video marker "A video. An image classifier says its frames show:" and the labels of every
+        sampled frame with its time."""
         import torch
 
         from vlm_engine.models import placard
         from vlm_engine.models.efficientnet_lite import preprocess as classifier_input
 
-        pieces = text.split(_IMAGE_MARKER)
-        if len(pieces) != len(images) + 1:
-            raise PromptError("image parts could not be placed in the chat template", param="messages")
-        spans: list[list[int]] = []
-        if images:
-            if self._labeller is None:
-                self._labeller = placard.ImageLabeller(self.tokenizer)
-            spans = self._labeller.span_ids(torch.stack([classifier_input(image) for image in images]))
+        pieces = re.split(f"({_IMAGE_MARKER}|{_VIDEO_MARKER})", text)
+        markers, texts = pieces[1::2], pieces[0::2]
+        if markers.count(_IMAGE_MARKER) != len(images) or markers.count(_VIDEO_MARKER) != len(videos):
+            raise PromptError("media parts could not be placed in the chat template", param="messages")
+        if (images or videos) and self._labeller is None:
+            self._labeller = placard.ImageLabeller(self.tokenizer)
+        image_spans = self._labeller.span_ids(torch.stack([classifier_input(i) for i in images])) if images else []
+        video_spans = [
+            self._labeller.video_span_ids(
+                torch.stack([classifier_input(Image.fromarray(f)) for f in video.frames]), video.timestamps_s
+            )
+            for video in videos
+        ]
         encode = self.tokenizer.encode
-        token_ids: list[int] = []
+        token_ids: list[int] = encode(texts[0], add_special_tokens=False)
         media: list[MediaInput] = []
-        for n, piece in enumerate(pieces):
-            token_ids += encode(piece, add_special_tokens=False)
-            if n == len(images):
-                break
-            token_ids += encode(placard.FIRST_PICTURE if n == 0 else placard.NEXT_PICTURE, add_special_tokens=False)
-            span = MediaSpan(len(token_ids), len(spans[n]), hash_to_int(image_content_hash(images[n])))
-            media.append(MediaInput("image", span, torch.tensor(spans[n], dtype=torch.int32), (1, 1, 1)))
-            token_ids += [placard.PLACEHOLDER_TOKEN_ID] * len(spans[n])
+        next_image = next_video = 0
+        for n, marker in enumerate(markers):
+            if marker == _IMAGE_MARKER:
+                intro = placard.FIRST_PICTURE if next_image == 0 else placard.NEXT_PICTURE
+                ids, content_hash = image_spans[next_image], hash_to_int(image_content_hash(images[next_image]))
+                kind, next_image = "image", next_image + 1
+            else:
+                intro = placard.FIRST_VIDEO if next_video == 0 else placard.NEXT_VIDEO
+                ids, content_hash = video_spans[next_video], videos[next_video].content_hash
+                kind, next_video = "video", next_video + 1
+            token_ids += encode(intro, add_special_tokens=False)
+            span = MediaSpan(len(token_ids), len(ids), content_hash)
+            media.append(MediaInput(kind, span, torch.tensor(ids, dtype=torch.int32), (1, 1, 1)))
+            token_ids += [placard.PLACEHOLDER_TOKEN_ID] * len(ids)
             token_ids += encode(placard.AFTER_PICTURE, add_special_tokens=False)
+            token_ids += encode(texts[n + 1], add_special_tokens=False)
         return self._finish(token_ids, media, text)
 
-    def _finish(self, token_ids: list[int], media: list[MediaInput] | None = None, text: str | None = None) -> ProcessedPrompt:
+    def _finish(
+        self, token_ids: list[int], media: list[MediaInput] | None = None, text: str | None = None
+    ) -> ProcessedPrompt:
         media = media or []
         prompt = ProcessedPrompt(token_ids=token_ids, media=media, text=text)
         if self.uses_mrope:
@@ -252,6 +384,7 @@ class PromptProcessor:
 
 
 _IMAGE_MARKER = "\x00image\x00"  # where an image sits in the rendered template (label-span models)
+_VIDEO_MARKER = "\x00video\x00"
 
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
@@ -266,16 +399,21 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
         for j, call in enumerate(calls):
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise PromptError(f"messages[{i}].tool_calls[{j}] needs a function name", param=f"messages[{i}].tool_calls")
+                raise PromptError(
+                    f"messages[{i}].tool_calls[{j}] needs a function name", param=f"messages[{i}].tool_calls"
+                )
             args = fn.get("arguments", "{}")
             if isinstance(args, str):
                 try:
                     args = json.loads(args) if args.strip() else {}
                 except json.JSONDecodeError:
                     raise PromptError(
-                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON", param=f"messages[{i}].tool_calls"
+                        f"messages[{i}].tool_calls[{j}].function.arguments is not valid JSON",
+                        param=f"messages[{i}].tool_calls",
                     ) from None
-            converted.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+            converted.append(
+                {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+            )
         extra["tool_calls"] = converted
     if isinstance(message.get("tool_call_id"), str):
         extra["tool_call_id"] = message["tool_call_id"]

@@ -103,3 +103,17 @@ def test_the_prefix_cache_reuses_only_the_same_image(engine: Engine) -> None:
     assert again.token_ids == first.token_ids
     image_start = engine.process_messages(ask(photo("coffee"), question)).media[0].span.offset
     assert other.cached_tokens <= image_start  # only the system prompt before the image is shared
+
+
+def test_a_video_of_the_cat_is_about_a_cat(engine: Engine) -> None:
+    from vlm_engine.testing.videos import make_clip
+
+    # A 3 s clip panning across the cat photo; every sampled frame is labelled with its time.
+    clip = make_clip(width=320, height=240, fps=10, seconds=3, picture=photo("chelsea"))
+    conv = [{"role": "user", "content": [{"type": "video", "video": clip}, {"type": "text", "text": "What does this video show?"}]}]
+    prompt = engine.process_messages(conv, mm_processor_kwargs={"fps": 1})
+    assert [m.kind for m in prompt.media] == ["video"]
+    span_text = engine.tokenizer.decode(prompt.media[0].pixel_values.tolist())
+    assert span_text.count(" At ") == 3 and "cat" in span_text, span_text  # 3 frames at 1 fps, each labelled
+    out = engine.chat([conv], GREEDY, mm_processor_kwargs={"fps": 1})[0]
+    assert "cat" in out.text.lower(), out.text

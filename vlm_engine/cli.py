@@ -20,20 +20,31 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _mm_limit(text: str) -> int:
-    """`8`, `image=8` or the vLLM JSON form `{"image": 8}`."""
+def _mm_limit(text: str) -> dict[str, int]:
+    """`8` (images), `image=8,video=2` or the vLLM JSON form `{"image": 8, "video": 2}`."""
     text = text.strip()
     if text.startswith("{"):
         import json
 
-        return int(json.loads(text).get("image", 0))
-    if "=" in text:
+        limits = {str(k): int(v) for k, v in json.loads(text).items()}
+    elif "=" in text:
+        limits = {}
         for item in text.split(","):
             key, _, value = item.partition("=")
-            if key.strip() == "image":
-                return int(value)
-        return 0
-    return int(text)
+            limits[key.strip()] = int(value)
+    else:
+        limits = {"image": int(text)}
+    unknown = set(limits) - {"image", "video"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modality {min(unknown)!r}; use image and video")
+    return limits
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -81,11 +92,34 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--limit-mm-per-prompt",
         type=_mm_limit,
-        default=d.limit_mm_per_prompt,
-        help="images per prompt: 8, image=8 or '{\"image\": 8}'",
+        default={"image": d.limit_mm_per_prompt, "video": d.limit_videos_per_prompt},
+        help='media per prompt: 8 (images), image=8,video=2 or \'{"image": 8, "video": 2}\'',
     )
     a.add_argument("--allowed-local-media-path", default=None, help="serve local image files from under this directory")
     a.add_argument("--max-image-bytes", type=_positive_int, default=d.max_image_bytes)
+    v = p.add_argument_group("video")
+    v.add_argument("--video-fps", type=_positive_float, default=d.video_fps, help="frames sampled per second of video")
+    v.add_argument("--video-max-frames", type=_positive_int, default=d.video_max_frames, help="most frames per video")
+    v.add_argument("--max-video-bytes", type=_positive_int, default=d.max_video_bytes)
+    v.add_argument("--max-video-seconds", type=_positive_float, default=d.max_video_seconds)
+    v.add_argument(
+        "--max-video-pixels",
+        type=_positive_int,
+        default=d.max_video_pixels,
+        help="decoded pixels per video (frames x width x height)",
+    )
+    v.add_argument(
+        "--video-device",
+        default=d.video_device,
+        choices=["auto", "cpu", "cuda"],
+        help="where frames are resized/normalized (decoding is always PyAV on the CPU)",
+    )
+    v.add_argument(
+        "--video-frame-cache-mb",
+        type=int,
+        default=d.video_frame_cache_bytes // 2**20,
+        help="decoded frames each worker keeps for repeated videos (0: none)",
+    )
     a.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s)
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
     a.add_argument("--max-n", type=_positive_int, default=d.max_n, help="most choices per request")
@@ -131,7 +165,15 @@ def run_serve(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         warmup=not args.no_warmup,
         max_waiting_requests=args.max_waiting_requests,
-        limit_mm_per_prompt=args.limit_mm_per_prompt,
+        limit_mm_per_prompt=args.limit_mm_per_prompt.get("image", ServerConfig.limit_mm_per_prompt),
+        limit_videos_per_prompt=args.limit_mm_per_prompt.get("video", ServerConfig.limit_videos_per_prompt),
+        video_fps=args.video_fps,
+        video_max_frames=args.video_max_frames,
+        max_video_bytes=args.max_video_bytes,
+        max_video_seconds=args.max_video_seconds,
+        max_video_pixels=args.max_video_pixels,
+        video_frame_cache_bytes=max(0, args.video_frame_cache_mb) * 2**20,
+        video_device=args.video_device,
         allowed_local_media_path=args.allowed_local_media_path,
         max_image_bytes=args.max_image_bytes,
         media_fetch_timeout_s=args.media_fetch_timeout,

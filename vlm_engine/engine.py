@@ -187,8 +187,13 @@ class Engine:
 
     # ---- request API ---------------------------------------------------------------------------
 
-    def process_messages(self, messages: Conversation, tools: list[dict[str, Any]] | None = None) -> ProcessedPrompt:
-        return self.processor.from_messages(messages, tools=tools)
+    def process_messages(
+        self,
+        messages: Conversation,
+        tools: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
+    ) -> ProcessedPrompt:
+        return self.processor.from_messages(messages, tools=tools, mm_processor_kwargs=mm_processor_kwargs)
 
     def process_prompt(self, prompt: PromptInput) -> ProcessedPrompt:
         if isinstance(prompt, ProcessedPrompt):
@@ -336,10 +341,12 @@ class Engine:
         conversations: Sequence[Conversation],
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """`tools` (OpenAI's format) go to the chat template; force a call with
-        `SamplingParams(structured_output=resolve_tool_choice(...).constraint)` (vlm_engine.structured.tools)."""
-        prompts = [self.process_messages(list(c), tools) for c in conversations]
+        `SamplingParams(structured_output=resolve_tool_choice(...).constraint)` (vlm_engine.structured.tools).
+        `mm_processor_kwargs` sets video sampling (`fps`, `max_frames`) for parts that do not."""
+        prompts = [self.process_messages(list(c), tools, mm_processor_kwargs) for c in conversations]
         return self.generate(prompts, sampling)
 
     def generate(

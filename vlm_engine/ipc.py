@@ -72,6 +72,7 @@ class PreprocessRequest(Message):
     messages: Any = None  # chat: the raw OpenAI message list (validated by the worker)
     prompt: str | list[int] | None = None  # completions: text or token ids
     tools: Any = None  # chat: the validated OpenAI tool list the chat template renders
+    mm_processor_kwargs: Any = None  # chat: video sampling overrides (fps, max_frames), checked by the worker
     worker: int = 0  # which worker got it (echoed in PreprocessDone for load balancing)
 
 

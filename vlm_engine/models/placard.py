@@ -16,6 +16,9 @@ Design, written down:
 - The prompt around the span says what it is ("A picture. An image classifier says it shows:
   <span>"), so the model writes about the labels; the wording was chosen by trying a few on
   SmolLM2-135M greedily.
+- A video is its sampled frames (uniformly at the request's fps, at most max_frames), each
+  labelled like an image; its span is every frame's label text after the frame's time
+  ("A video. An image classifier says its frames show: At 0.0 s: ... At 0.5 s: ...").
 - The placeholder token is SmolLM2's `<empty_output>` (id 16), which chat text never contains.
 - Everything else is the common VLM path: the encoder cache keeps span embeddings by content
   hash, and the prefix cache keys the span by that hash.
@@ -38,6 +41,9 @@ MAX_SPAN = 48  # label text longer than this (three long class names) is cut
 FIRST_PICTURE = "A picture. An image classifier says it shows:"
 NEXT_PICTURE = "Another picture. An image classifier says it shows:"
 AFTER_PICTURE = "\n"
+FIRST_VIDEO = "A video. An image classifier says its frames show:"
+NEXT_VIDEO = "Another video. An image classifier says its frames show:"
+MAX_VIDEO_SPAN = 512  # a video's span: MAX_SPAN per frame, and at most this in all
 
 
 def placard_config(text_config: Any) -> Any:
@@ -70,7 +76,18 @@ class ImageLabeller:
             return top_labels(self.classifier(pixels.float()), TOP_K)
 
     def span_ids(self, pixels: torch.Tensor) -> list[list[int]]:
-        return [self.tokenizer.encode(label_text(ls), add_special_tokens=False)[:MAX_SPAN] for ls in self.labels(pixels)]
+        return [
+            self.tokenizer.encode(label_text(ls), add_special_tokens=False)[:MAX_SPAN] for ls in self.labels(pixels)
+        ]
+
+    def video_span_ids(self, frames: torch.Tensor, timestamps_s: Sequence[float]) -> list[int]:
+        """One span for a video: ' At 0.0 s: tabby (40%), ... At 0.5 s: ...', each sampled frame's
+        labels after its time, so the model can tell what changes."""
+        ids: list[int] = []
+        for t, labels in zip(timestamps_s, self.labels(frames)):
+            text = f" At {t:.1f} s:" + label_text(labels)
+            ids += self.tokenizer.encode(text, add_special_tokens=False)[:MAX_SPAN]
+        return ids[:MAX_VIDEO_SPAN]
 
 
 class PlacardForConditionalGeneration(LlamaForCausalLM):

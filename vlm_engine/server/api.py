@@ -388,7 +388,12 @@ def build_app(state: ServerState) -> FastAPI:
         assert client.core_info is not None
         if kind == "chat":
             parsed = P.parse_chat(
-                body, config.model_name, config.max_n, client.core_info.max_model_len, config.limit_mm_per_prompt
+                body,
+                config.model_name,
+                config.max_n,
+                client.core_info.max_model_len,
+                config.limit_mm_per_prompt,
+                config.limit_videos_per_prompt,
             )
         else:
             parsed = P.parse_completion(body, config.model_name, config.max_n)

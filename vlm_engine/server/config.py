@@ -29,9 +29,18 @@ class ServerConfig:
 
     # Admission and input limits.
     max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
-    limit_mm_per_prompt: int = 8
+    limit_mm_per_prompt: int = 8  # images
+    limit_videos_per_prompt: int = 2
     allowed_local_media_path: str | None = None
     max_image_bytes: int = 20 * 1024 * 1024
+    # Video: default sampling (a part or mm_processor_kwargs may override) and limits.
+    video_fps: float = 2.0
+    video_max_frames: int = 32
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_seconds: float = 600.0
+    max_video_pixels: int = 256 * 1280 * 720  # sampled frames x width x height, per video
+    video_frame_cache_bytes: int = 512 * 1024 * 1024  # decoded frames kept per worker for repeats
+    video_device: str = "auto"  # resize/normalize of frames: auto (CUDA when present) | cpu | cuda
     media_fetch_timeout_s: float = 10.0
     max_redirects: int = 3
     max_n: int = 16  # most choices (n x prompts) in one request
@@ -58,8 +67,10 @@ class ServerConfig:
             raise ValueError("preprocess_workers must be >= 1")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
-        if self.limit_mm_per_prompt < 0:
-            raise ValueError("limit_mm_per_prompt must be >= 0")
+        if self.limit_mm_per_prompt < 0 or self.limit_videos_per_prompt < 0:
+            raise ValueError("limit_mm_per_prompt must be >= 0 for every modality")
+        if not self.video_fps > 0 or self.video_max_frames < 1:
+            raise ValueError("video_fps must be positive and video_max_frames at least 1")
         from vlm_engine.server.apps import APPS
         from vlm_engine.server.tool_parsers import TOOL_PARSERS
 
@@ -92,7 +103,22 @@ class ServerConfig:
 
         return MediaLimits(
             max_image_bytes=self.max_image_bytes,
+            max_video_bytes=self.max_video_bytes,
             fetch_timeout_s=self.media_fetch_timeout_s,
             max_redirects=self.max_redirects,
             allowed_local_media_path=self.allowed_local_media_path,
         )
+
+    def video_limits(self) -> Any:
+        from preprocess.video import VideoLimits
+
+        return VideoLimits(
+            max_video_bytes=self.max_video_bytes,
+            max_duration_s=self.max_video_seconds,
+            max_decoded_pixels=self.max_video_pixels,
+        )
+
+    def video_sampling(self) -> Any:
+        from preprocess.video import VideoSampling
+
+        return VideoSampling(fps=self.video_fps, max_frames=self.video_max_frames)

@@ -106,6 +106,7 @@ class EngineClient:
                 messages=prompt if request.kind == "chat" else None,
                 prompt=prompt if request.kind == "completion" else None,
                 tools=request.tools,
+                mm_processor_kwargs=request.mm_processor_kwargs,
                 worker=worker,
             )
             self.to_workers[worker].send_multipart(ipc.encode(msg))

@@ -29,15 +29,23 @@ def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int)
     """Child-process entry point."""
     init_child(f"vlm-prep-{index}", config.log_level, side=True, nice=config.side_process_nice)
     from preprocess.prompt import PromptProcessor
+    from preprocess.video import FrameCache, select_video_device
     from vlm_engine.models.registry import load_config, resolve_model
 
     source = resolve_model(config.model)
+    video_device, reason = select_video_device(config.video_device)
+    logger.info("preprocess worker %d: %s", index, reason)
     processor = PromptProcessor(
         source.directory,
         load_config(source),
         source.gguf_file,
         limits=config.media_limits(),
         max_images=config.limit_mm_per_prompt,
+        max_videos=config.limit_videos_per_prompt,
+        video_limits=config.video_limits(),
+        video_sampling=config.video_sampling(),
+        frame_cache=FrameCache(config.video_frame_cache_bytes),
+        video_device=video_device,
     )
     checker = ConstraintChecker(processor)
     if config.warmup:
@@ -167,7 +175,9 @@ class PreprocessWorker:
 
     def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
         if request.messages is not None:
-            return self.processor.from_messages(request.messages, tools=request.tools)
+            return self.processor.from_messages(
+                request.messages, tools=request.tools, mm_processor_kwargs=request.mm_processor_kwargs
+            )
         if isinstance(request.prompt, str):
             return self.processor.from_text(request.prompt)
         return self.processor.from_token_ids(list(request.prompt or []))

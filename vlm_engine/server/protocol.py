@@ -70,6 +70,7 @@ class GenerateRequest:
     logprobs: bool
     tools: list[dict[str, Any]] | None = None  # what the chat template sees (None: no tools)
     tool_choice: ToolChoice = NO_TOOLS
+    mm_processor_kwargs: dict[str, Any] | None = None  # video sampling (fps, max_frames) for the worker
 
     @property
     def num_choices(self) -> int:
@@ -188,20 +189,31 @@ def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
     return None
 
 
-def parse_chat(body: Any, served_model: str, max_n: int, max_model_len: int, max_images: int) -> GenerateRequest:
-    model, n, stream, include_usage, continuous = _common(body, served_model, max_n)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    images = sum(
+def _count_parts(messages: list[Any], types: tuple[str, ...]) -> int:
+    return sum(
         1
         for m in messages
         if isinstance(m, dict) and isinstance(m.get("content"), list)
         for part in m["content"]
-        if isinstance(part, dict) and part.get("type") in ("image_url", "image")
+        if isinstance(part, dict) and part.get("type") in types
     )
-    if images > max_images:
-        raise ApiError(400, f"at most {max_images} images per prompt are allowed, got {images}", param="messages")
+
+
+def parse_chat(
+    body: Any, served_model: str, max_n: int, max_model_len: int, max_images: int, max_videos: int = 0
+) -> GenerateRequest:
+    model, n, stream, include_usage, continuous = _common(body, served_model, max_n)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
+    for kinds, limit, noun in (
+        (("image_url", "image"), max_images, "images"),
+        (("video_url", "video"), max_videos, "videos"),
+    ):
+        count = _count_parts(messages, kinds)
+        if count > limit:
+            raise ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
+    mm_kwargs = _get(body, "mm_processor_kwargs", dict)
     want_logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int)
     if top is not None and not want_logprobs:
@@ -225,6 +237,7 @@ def parse_chat(body: Any, served_model: str, max_n: int, max_model_len: int, max
         logprobs=want_logprobs,
         tools=tools if tool_choice.mode != "none" else None,
         tool_choice=tool_choice,
+        mm_processor_kwargs=mm_kwargs,
     )
 
 
