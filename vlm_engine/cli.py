@@ -2,6 +2,7 @@
 
 vlm-engine serve [--model M] [--host H] [--port P] [--api-key K] [--preprocess-workers N] ...
 vlm-engine bench [serve_bench.py options]   (source checkout only: runs benchmarks/serve_bench.py)
+vlm-engine batch INPUTS... --prompt P [--schema S] --out rows.jsonl [--model M | --server URL ...]
 """
 
 from __future__ import annotations
@@ -226,7 +227,70 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser, add_bench_parser]
+def add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("batch", help="turn files, folders, manifests or OpenAI batch files into JSON rows")
+    p.add_argument(
+        "inputs", nargs="+", help="files, folders (recursive), globs, a JSONL manifest or an OpenAI batch file"
+    )
+    p.add_argument("--prompt", default=None, help="what to ask about each input")
+    p.add_argument("--schema", default=None, help="a JSON Schema file: answers are constrained to it and parsed")
+    p.add_argument("--out", required=True, help="JSONL output; rerunning with the same file resumes")
+    p.add_argument("--model", default=None, help="in-process model (default: the embedded default)")
+    p.add_argument("--server", action="append", default=[], help="an OpenAI-compatible server URL (repeatable)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--concurrency", type=_positive_int, default=16)
+    p.add_argument("--fps", type=_positive_float, default=None, help="video frames sampled per second")
+    p.add_argument("--max-frames", type=_positive_int, default=None, help="most frames per video")
+    p.add_argument("--pdf-pages", choices=["each", "document"], default="each", help="a row per page or per PDF")
+    p.add_argument(
+        "--pdf-longest-side", type=_positive_int, default=1288, help="pixels of a rendered page's longest side"
+    )
+    p.add_argument("--retries", type=int, default=2, help="retries for transient errors and unparsable answers")
+    p.add_argument("--limit", type=_positive_int, default=None, help="only the first N inputs")
+    p.add_argument("--max-tokens", type=_positive_int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--extra-body", default="{}", help="JSON merged into every request body, e.g. '{\"top_p\": 0.9}'")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_batch_command)
+
+
+def run_batch_command(args: argparse.Namespace) -> int:
+    import json
+
+    from vlm_engine.batch import BatchOptions, run_batch
+
+    schema = None
+    if args.schema:
+        with open(args.schema, encoding="utf-8") as f:
+            schema = json.load(f)
+    options = BatchOptions(
+        inputs=args.inputs,
+        out=args.out,
+        prompt=args.prompt,
+        schema=schema,
+        model=args.model,
+        servers=args.server,
+        api_key=args.api_key,
+        concurrency=args.concurrency,
+        fps=args.fps,
+        max_frames=args.max_frames,
+        pdf_pages=args.pdf_pages,
+        pdf_longest_side=args.pdf_longest_side,
+        retries=max(0, args.retries),
+        limit=args.limit,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+        extra_body=json.loads(args.extra_body),
+    )
+    summary = run_batch(options)
+    print(summary.line(), file=sys.stderr)
+    return 0
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_serve_parser, add_bench_parser, add_batch_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
