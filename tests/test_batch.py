@@ -171,7 +171,8 @@ def test_an_openai_batch_file_round_trips(tiny_vlm_dir: Path, tmp_path: Path) ->
             "custom_id": "text-1",
             "method": "POST",
             "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
+            # Written for OpenAI: the in-process run uses its one model whatever the line names.
+            "body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 8},
         },
         {
             "custom_id": "image-2",

@@ -73,7 +73,9 @@ class EngineBackend:
         from vlm_engine.server import protocol as P
 
         engine = self.engine
-        parsed = P.parse_chat(job.body(), self.model_name, 1, engine.max_model_len, 64, 16)
+        # One model in process: a batch file naming another model (e.g. written for OpenAI) runs on it.
+        body = {**job.body(), "model": self.model_name}
+        parsed = P.parse_chat(body, self.model_name, 1, engine.max_model_len, 64, 16)
         prompt = engine.process_messages(
             parsed.prompts[0], tools=parsed.tools, mm_processor_kwargs=parsed.mm_processor_kwargs
         )
