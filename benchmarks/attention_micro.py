@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from vlm_engine.runner.attention.cpu_kernel import load_paged_attention
-from vlm_engine.runner.attention.reference import (
+from vlm_engine.attention.cpu_kernel import load_paged_attention
+from vlm_engine.attention.reference import (
     paged_attention_reference,
     paged_attention_torch,
 )

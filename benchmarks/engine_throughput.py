@@ -19,9 +19,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from vlm_engine import Engine, SamplingParams  # noqa: E402
+from vlm_engine.attention.base import AttentionMetadata  # noqa: E402
 from vlm_engine.models.layers import ForwardContext  # noqa: E402
 from vlm_engine.models.registry import resolve_model  # noqa: E402
-from vlm_engine.runner.attention.base import AttentionMetadata  # noqa: E402
 
 TOPICS = ["the sea", "a mountain", "coffee", "a red fox", "the moon", "trains", "a library", "rain",
           "autumn leaves", "a lighthouse", "bees", "the desert"]

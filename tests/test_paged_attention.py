@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from vlm_engine.runner.attention import cpu_kernel
-from vlm_engine.runner.attention.reference import paged_attention_reference, paged_attention_torch
+from vlm_engine.attention import cpu_kernel
+from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -316,7 +316,7 @@ def test_input_validation(ext):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_matches_index_copy_on_strided_views(ext, dtype):
-    from vlm_engine.runner.attention.base import store_kv
+    from vlm_engine.attention.base import store_kv
 
     g = torch.Generator().manual_seed(13)
     T, Hkv, D = 37, 3, 64

@@ -17,7 +17,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's limit, capped by the KV pool
-    attention_backend: str = "auto"  # see vlm_engine.runner.attention.registry
+    attention_backend: str = "auto"  # see vlm_engine.attention.backends
     prepack_weights: bool = True  # bf16 on CPU: linears in oneDNN's blocked layout (vlm_engine.models.prepack)
     fused_cpu_ops: bool = True  # bf16 on CPU: C++ norm/rotary/SiLU ops (vlm_engine.models.fused_ops)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs kept by content hash

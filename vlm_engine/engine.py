@@ -16,13 +16,13 @@ from typing import Any
 import torch
 
 from preprocess.prompt import PromptProcessor
+from vlm_engine.attention.backends import create_backend
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
-from vlm_engine.runner.attention.backends import create_backend
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
 from vlm_engine.sampling_params import SamplingParams

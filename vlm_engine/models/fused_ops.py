@@ -32,6 +32,6 @@ def load_fused_ops() -> ModuleType | None:
     if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
         logger.info("fused CPU ops disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
         return None
-    from vlm_engine.runner.attention.cpu_kernel import build_extension
+    from vlm_engine.attention.cpu_kernel import build_extension
 
     return build_extension(EXT_NAME, _SRC)

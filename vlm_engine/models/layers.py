@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
 
 @dataclass

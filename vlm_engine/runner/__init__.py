@@ -1,1 +1,1 @@
-"""Forward passes: input building, attention backends, sampling."""
+"""Forward passes: input building, media merge, sampling (attention lives in vlm_engine.attention)."""

@@ -17,10 +17,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from vlm_engine.cache.encoder_cache import EncoderCache
 from vlm_engine.models.layers import ForwardContext
 from vlm_engine.models.llama import head_dim_of
-from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from vlm_engine.runner.sampler import SampledToken, sample
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from vlm_engine.runner.attention.base import AttentionBackend, AttentionMetadata, KVCache, store_kv
+from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, store_kv
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class PagedAttentionBackend:
 
 
 def _torch_sdpa(device: torch.device) -> AttentionBackend:
-    from vlm_engine.runner.attention.reference import paged_attention_reference
+    from vlm_engine.attention.reference import paged_attention_reference
 
     return PagedAttentionBackend("torch_sdpa", paged_attention_reference)
 
@@ -52,7 +52,7 @@ def _torch_sdpa(device: torch.device) -> AttentionBackend:
 def _cpu_paged(device: torch.device) -> AttentionBackend:
     if device.type != "cpu":
         raise ValueError("the cpu_paged attention backend runs on CPU only")
-    from vlm_engine.runner.attention.cpu_kernel import load_paged_attention, load_store_kv
+    from vlm_engine.attention.cpu_kernel import load_paged_attention, load_store_kv
 
     op, store = load_paged_attention(), load_store_kv()
     if op is None or store is None:

@@ -3,7 +3,7 @@
 // out[t, h, :] = softmax(q[t, h, :] . K_b^T * scale) V_b  over the KV positions
 // 0 ..= pos(t) of t's sequence b, where K_b / V_b are read through the block
 // table directly from the paged cache (no gather copy).  See
-// vlm_engine/runner/attention/reference.py for the exact contract.
+// vlm_engine/attention/reference.py for the exact contract.
 //
 // Work decomposition: one work item = (sequence, block of query tokens, range
 // of KV heads[, KV range]).  By default an item covers all KV heads, so every

@@ -2,14 +2,14 @@
 
 Usage::
 
-    from vlm_engine.runner.attention.cpu_kernel import load_paged_attention
+    from vlm_engine.attention.cpu_kernel import load_paged_attention
     op = load_paged_attention()          # builds (first time, ~30-60 s) or loads the cached .so
     if op is None:                       # no compiler etc. -> use the torch reference
-        from vlm_engine.runner.attention.reference import paged_attention_reference as op
+        from vlm_engine.attention.reference import paged_attention_reference as op
     out = op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None)
 
 The returned callable is the raw pybind function (lowest call overhead, ~2-3 us); it takes the
-arguments of :func:`vlm_engine.runner.attention.reference.paged_attention_reference` plus an
+arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` plus an
 optional ``impl`` (0 = best, 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps; for tests).
 Metadata tensors (block_table, seq_lens, query_start_loc) must be int32 CPU tensors; q/k/v/out
 float32 or bfloat16 with a contiguous head_dim.  Parallelism uses torch's intra-op thread pool
