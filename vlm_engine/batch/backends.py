@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,11 +61,12 @@ class EngineBackend:
         self.engine = Engine(model, dtype=dtype, max_num_seqs=max(1, concurrency), **engine_kwargs)
         self.model_name = self.engine.source.name
         self.concurrency = concurrency
-        self._inbox: queue.Queue[Job | None] = queue.Queue()
+        self._inbox: queue.Queue[Job] = queue.Queue()
         self._prepared: deque[Future[Any]] = deque()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prep")
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job, avoid: str | None = None) -> None:
+        """`avoid` (a server to keep away from) means nothing here: there is one engine."""
         self._inbox.put(job)
 
     def _prepare(self, job: Job) -> tuple[Job, Any, Any]:
@@ -248,11 +249,3 @@ class ServerBackend:
 
 def _reason(exc: BaseException) -> str:
     return getattr(exc, "message", None) or str(exc) or type(exc).__name__
-
-
-Backend = EngineBackend | ServerBackend
-
-
-def feed(backend: Backend, jobs: Iterable[Job]) -> None:
-    for job in jobs:
-        backend.submit(job)

@@ -185,10 +185,7 @@ class BatchRun:
 
         def again() -> None:
             try:
-                if isinstance(self.backend, ServerBackend):
-                    self.backend.submit(job, avoid=avoid)
-                else:
-                    self.backend.submit(job)
+                self.backend.submit(job, avoid=avoid)
             finally:
                 with self._lock:
                     self._waiting_retries -= 1
