@@ -1,5 +1,5 @@
-"""The bf16 CPU fast path: fused C++ element-wise ops and prepacked linears, each against the
-torch code it replaces, and the engine's greedy output with and without them."""
+"""The CPU fast path (fast numerics): fused C++ element-wise ops and prepacked linears in bf16 and
+fp32, each against the torch code it replaces, and the engine's greedy output with and without them."""
 
 from __future__ import annotations
 
@@ -94,9 +94,48 @@ def test_argmax_rows_matches_torch_argmax(ops) -> None:
         ops.argmax_rows(logits.to(BF16))
 
 
-def test_ops_reject_fp32(ops) -> None:
-    with pytest.raises(RuntimeError, match="bfloat16"):
+def test_ops_reject_other_and_mixed_dtypes(ops) -> None:
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        ops.rms_norm(torch.ones(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-6)
+    with pytest.raises(RuntimeError, match="dtype of x"):
         ops.rms_norm(torch.ones(2, 8), torch.ones(8, dtype=BF16), 1e-6)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        ops.rotary_(torch.ones(2, 1, 8), torch.ones(2, 1, 8, dtype=BF16), torch.ones(2, 8), torch.ones(2, 8))
+
+
+def fp32_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: only summation order and the exp polynomial differ from torch's ops."""
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_fp32_rms_norm_and_residual_add_match_the_modules(ops, rows: int) -> None:
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = randn(576, seed=1).float() / 3
+    x, residual = randn(rows, 576, seed=3).float(), randn(rows, 576, seed=4).float()
+    fp32_close(ops.rms_norm(x, norm.weight.data, norm.eps), norm(x))
+    expected_sum = x + residual
+    expected = norm(expected_sum)
+    out = ops.add_rms_norm_(x, residual, norm.weight.data, norm.eps)
+    assert out.data_ptr() == x.data_ptr()
+    assert torch.equal(residual, expected_sum)
+    fp32_close(x, expected)
+
+
+def test_fp32_rotary_and_silu_match_torch(ops) -> None:
+    t, hq, hk, d = 6, 4, 2, 64
+    qkv = randn(t, (hq + 2 * hk) * d, seed=5).float()
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    angles = torch.rand(t, d // 2, generator=torch.Generator().manual_seed(6)) * 50
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    ops.rotary_(q, k, cos, sin)
+    fp32_close(q, expected_q)
+    fp32_close(k, expected_k)
+    gate_up = randn(9, 2 * 300, seed=7).float()
+    gate, up = gate_up.split(300, dim=-1)
+    fp32_close(ops.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
 PACKING, PACKING_REASON = onednn_bf16_packing()
@@ -114,12 +153,36 @@ def test_packed_linear_is_bit_identical(rows: int) -> None:
 
 
 @pytest.mark.skipif(not PACKING, reason=PACKING_REASON)
-def test_prepack_replaces_only_bf16_linears() -> None:
+def test_prepack_replaces_bf16_linears() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.LayerNorm(4)).requires_grad_(False)
-    assert prepack_linears(model) == 0  # fp32 stays on Transformers' own kernels
     model = model.to(BF16)
     assert prepack_linears(model) == 2
     assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+
+
+def test_prepack_replaces_fp32_linears_and_leaves_fp16() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.LayerNorm(4)).requires_grad_(False)
+    assert prepack_supported(torch.device("cpu"), torch.float32)
+    assert prepack_linears(model.half()) == 0
+    assert prepack_linears(model.float()) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[1][0], PackedLinear)
+    with pytest.raises(TypeError, match="float32 weights"):
+        model[0](torch.ones(1, 8, dtype=BF16))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+def test_fp32_packed_linear_is_close_and_batch_invariant(rows: int) -> None:
+    """fp32 packed rows agree with F.linear to fp32 summation noise, and a row's result does not
+    depend on how many other rows share the call (the engine's outputs must not depend on the
+    batch; F.linear itself gives different bits for M <= 3)."""
+    linear = nn.Linear(576, 960, bias=True).requires_grad_(False)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    packed = PackedLinear(linear)
+    out = packed(x)
+    torch.testing.assert_close(out, linear(x), rtol=1e-4, atol=1e-4)
+    assert torch.equal(packed(x[:1]), out[:1])
+    assert torch.equal(packed(x[-1:]), out[-1:])
+    assert packed.weight.dtype == torch.float32 and tuple(packed.weight.shape) == (960, 576)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import torch
 
 from vlm_engine.attention import cpu_kernel
 from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
+from vlm_engine.models.cpu_isa import cpu_flags
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -169,9 +170,11 @@ def test_op_matches_reference(ext, scenario, page_size, G, D, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("impl", [1, 2], ids=["generic", "avx512-no-dpbf16"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("impl", [1, 2, 3], ids=["generic", "avx512-no-dpbf16", "avx2"])
+@pytest.mark.parametrize("D", [64, 128, 80])
 def test_alternative_implementations(ext, impl, D, dtype):
+    """Every kernel this build has (an impl it lacks falls back to the next one down): on a Zen 4
+    build `impl=3` forces the AVX2 kernels that a Zen 3 machine runs by default."""
     rng = random.Random(11)
     q_lens, kv_lens = _scenario("mixed", 16, rng)
     args = make_case(q_lens, kv_lens, 2, 3, D, 16, dtype, seed=5)
@@ -349,7 +352,11 @@ def test_loader_returns_callable_and_wrapper(ext):
     torch.testing.assert_close(
         cpu_kernel.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125), rtol=1e-5, atol=2e-5
     )
-    assert "avx512" in ext.build_info()
+    info = ext.build_info()
+    assert "avx512" in info and "avx2" in info
+    flags = cpu_flags()
+    if {"avx2", "fma"} <= flags:  # built with -march=native: the AVX2 kernels must be in
+        assert "avx2=1" in info
 
 
 def test_build_failure_returns_none_with_warning(tmp_path, caplog):

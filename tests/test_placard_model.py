@@ -37,7 +37,7 @@ def ask(image: Image.Image, question: str = QUESTION) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine(dtype="float32", kv_cache_tokens=16384)  # no model: the embedded default
+    return Engine(dtype="float32", kv_cache_tokens=16384, numerics="exact")  # no model: the embedded default
 
 
 def test_default_model_is_placard(engine: Engine) -> None:

@@ -43,7 +43,7 @@ def references(hf_tiny_vlm) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_vlm_dir: Path) -> Engine:
-    return Engine(str(tiny_vlm_dir), dtype="float32", kv_cache_tokens=4096)
+    return Engine(str(tiny_vlm_dir), dtype="float32", kv_cache_tokens=4096, numerics="exact")
 
 
 def test_prompt_equals_hf_processor(engine: Engine, hf_tiny_vlm) -> None:
@@ -88,7 +88,7 @@ def test_tiny_kv_pool_forces_preemption_and_chunking(tiny_vlm_dir: Path, referen
     longest_prompt = 200
     engine = Engine(
         str(tiny_vlm_dir), dtype="float32", kv_cache_tokens=longest_prompt + MAX_TOKENS + 16,
-        max_num_batched_tokens=48, page_size=8,
+        max_num_batched_tokens=48, page_size=8, numerics="exact",
     )
     outs = engine.chat(CONVERSATIONS, GREEDY)
     assert [o.token_ids for o in outs] == references

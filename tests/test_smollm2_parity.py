@@ -18,7 +18,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine("SmolLM2-135M-Instruct", dtype="float32", kv_cache_tokens=4096)
+    return Engine("SmolLM2-135M-Instruct", dtype="float32", kv_cache_tokens=4096, numerics="exact")
 
 
 @pytest.mark.slow

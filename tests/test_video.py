@@ -71,7 +71,7 @@ def hf_frames(data: bytes, video_processor: Any, fps: float, max_frames: int) ->
 
 @pytest.fixture(scope="module")
 def engine(tiny_vlm_dir: Path) -> Engine:
-    return Engine(str(tiny_vlm_dir), dtype="float32", kv_cache_tokens=8192)
+    return Engine(str(tiny_vlm_dir), dtype="float32", kv_cache_tokens=8192, numerics="exact")
 
 
 # ---- frames: the same ones Transformers picks, decoded cheaper --------------------------------------

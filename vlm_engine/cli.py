@@ -53,6 +53,7 @@ def _origins(text: str) -> tuple[str, ...]:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from vlm_engine.config import NUMERICS
     from vlm_engine.server.apps import APPS
     from vlm_engine.server.config import DEFAULT_MODEL, ServerConfig
 
@@ -82,6 +83,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max-num-batched-tokens", type=_positive_int, default=d.max_num_batched_tokens)
     g.add_argument("--no-prefix-cache", action="store_true")
     g.add_argument("--attention-backend", default=d.attention_backend)
+    g.add_argument(
+        "--numerics",
+        default=d.numerics,
+        choices=list(NUMERICS),
+        help="fast: the CPU kernels fastest here (packed linears, fused C++ ops); exact: Transformers' own ops",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     a = p.add_argument_group("admission and media")
     a.add_argument(
@@ -164,6 +171,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.no_prefix_cache,
         attention_backend=args.attention_backend,
+        numerics=args.numerics,
         warmup=not args.no_warmup,
         max_waiting_requests=args.max_waiting_requests,
         limit_mm_per_prompt=args.limit_mm_per_prompt.get("image", ServerConfig.limit_mm_per_prompt),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NUMERICS = ("fast", "exact")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,14 +20,19 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None  # None: the model's limit, capped by the KV pool
     attention_backend: str = "auto"  # see vlm_engine.attention.backends
-    prepack_weights: bool = True  # bf16 on CPU: linears in oneDNN's blocked layout (vlm_engine.models.prepack)
-    fused_cpu_ops: bool = True  # bf16 on CPU: C++ norm/rotary/SiLU ops (vlm_engine.models.fused_ops)
+    # "fast": the CPU kernels fastest here (oneDNN-packed linears, fused C++ norm/rotary/SiLU), equal
+    # to Transformers within float tolerance; "exact": Transformers' own ops, token-for-token parity.
+    numerics: str = "fast"
+    prepack_weights: bool = True  # fast numerics on CPU: linears in oneDNN's blocked layout (models.prepack)
+    fused_cpu_ops: bool = True  # fast numerics on CPU: C++ norm/rotary/SiLU ops (models.fused_ops)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs kept by content hash
     cpu_kv_cache_fraction: float = 0.25  # of MemAvailable, when kv_cache_tokens is None on CPU
     cpu_kv_cache_max_bytes: int = 4 * 1024**3
     gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -21,6 +21,7 @@ from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.models.cpu_isa import isa_tier
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
@@ -112,7 +113,8 @@ class Engine:
         self.hf_config = load_config(self.source)
         self.device = default_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device, self.source.gguf_file is not None)
-        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, cfg.prepack_weights)
+        fast = cfg.numerics == "fast"
+        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights)
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
         self.tokenizer = self.processor.tokenizer
 
@@ -133,7 +135,8 @@ class Engine:
             self.pool,
         )
         backend = create_backend(cfg.attention_backend, self.device)
-        fused = load_fused_ops() if cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype) else None
+        use_fused = fast and cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype)
+        fused = load_fused_ops() if use_fused else None
         self.runner = ModelRunner(
             self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
         )
@@ -144,8 +147,10 @@ class Engine:
         self._ids = itertools.count()
         self.last_step = StepStats()
         logger.info(
-            "engine ready: %s, %s, attention %s, fused CPU ops %s, %d KV pages x %d tokens, max_model_len %d",
-            self.source.name, self.dtype, backend.name, fused is not None, num_pages, cfg.page_size, self.max_model_len,
+            "engine ready: %s, %s, %s numerics, attention %s, fused CPU ops %s, CPU tier %s, "
+            "%d KV pages x %d tokens, max_model_len %d",
+            self.source.name, self.dtype, cfg.numerics, backend.name, fused is not None, isa_tier(), num_pages,
+            cfg.page_size, self.max_model_len,
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------

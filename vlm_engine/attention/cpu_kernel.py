@@ -10,7 +10,9 @@ Usage::
 
 The returned callable is the raw pybind function (lowest call overhead, ~2-3 us); it takes the
 arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` plus an
-optional ``impl`` (0 = best, 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps; for tests).
+optional ``impl`` (0 = best, 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps, 3 = AVX2 + FMA;
+for tests; an impl this build lacks falls back to the next one down). The module's ``build_info()``
+names the ISA features it was compiled with.
 Metadata tensors (block_table, seq_lens, query_start_loc) must be int32 CPU tensors; q/k/v/out
 float32 or bfloat16 with a contiguous head_dim.  Parallelism uses torch's intra-op thread pool
 (``torch.set_num_threads``).

@@ -41,3 +41,15 @@ def onednn_bf16_packing() -> tuple[bool, str]:
     if "avx_ne_convert" in flags or "amx_bf16" in flags:
         return True, "avx_ne_convert/amx"
     return False, "oneDNN's bf16 weight reorder needs avx512bw/vl/dq or avx_ne_convert, which this CPU lacks"
+
+
+def isa_tier() -> str:
+    """The fast-path tier this CPU gets: 'avx512_bf16', 'avx512', 'avx2' or 'baseline'."""
+    flags = cpu_flags()
+    if has_native_bf16():
+        return "avx512_bf16"
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx512"
+    if {"avx2", "fma"} <= flags:
+        return "avx2"
+    return "baseline"

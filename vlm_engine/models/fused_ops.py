@@ -1,10 +1,10 @@
-"""Fused bf16 element-wise ops for the CPU decoder (C++, built on first use like the attention op).
+"""Fused element-wise ops for the CPU decoder, bf16 and fp32 (C++, built on first use like the attention op).
 
 `load_fused_ops()` returns the extension module with `rms_norm`, `add_rms_norm_`, `rotary_`,
 `silu_and_mul` and `argmax_rows` (see csrc/fused_ops.cpp), or None where it cannot be built or
 does not apply.
-The torch code in `vlm_engine.models.layers` stays the reference and the fp32 path: fp32 is
-the mode that must match Transformers token for token, so it keeps Transformers' exact ops.
+The torch code in `vlm_engine.models.layers` stays the reference and the "exact" numerics path,
+which must match Transformers token for token; these ops run only in "fast" numerics.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _SRC = Path(__file__).resolve().parent / "csrc" / "fused_ops.cpp"
 
 
 def fused_ops_apply(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16
+    return device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
 
 
 @functools.cache

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vlm_engine.models import loader
-from vlm_engine.models.cpu_isa import has_native_bf16
+from vlm_engine.models.cpu_isa import has_native_bf16, isa_tier
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 
@@ -121,7 +121,12 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
     if is_gguf or not isinstance(declared, torch.dtype):
         declared = torch.float32  # dequantized weights, as Transformers loads them
     if device.type == "cpu" and declared in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        native = cpu_has_native_bf16()
+        logger.info(
+            "dtype auto -> %s: CPU tier %s %s bf16 dot products (avx512_bf16/amx)",
+            "bfloat16" if native else "float32", isa_tier(), "has" if native else "lacks",
+        )
+        return torch.bfloat16 if native else torch.float32
     return declared
 
 

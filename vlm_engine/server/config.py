@@ -26,6 +26,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
+    numerics: str = "fast"  # EngineConfig.numerics: "fast" kernels, or Transformers' "exact" ops
 
     # Admission and input limits.
     max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
@@ -93,6 +94,7 @@ class ServerConfig:
             "kv_cache_tokens": self.kv_cache_tokens,
             "enable_prefix_cache": self.enable_prefix_cache,
             "attention_backend": self.attention_backend,
+            "numerics": self.numerics,
         }
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len

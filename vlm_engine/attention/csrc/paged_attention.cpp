@@ -47,6 +47,15 @@
 #define PA_AVX512 0
 #endif
 
+// AVX2 + FMA (Zen 3 and older Intel): 8-lane versions of the same kernels. Also built on AVX-512
+// machines so that the AVX2 path can be forced and tested there (impl = kAvx2).
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PA_AVX2 1
+#else
+#define PA_AVX2 0
+#endif
+
 #if PA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VL__)
 #define PA_AVX512BF16 1
 #else
@@ -73,7 +82,7 @@ constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2 };
+enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2, kAvx2 = 3 };
 
 struct Params {
   const char* q;
@@ -566,12 +575,189 @@ struct Avx512Core {
 };
 #endif  // PA_AVX512
 
+#if PA_AVX2
+// ---------------------------------------------------------------------------
+// AVX2 + FMA implementation, templated on NV = D / 8. The same algorithm as the AVX-512
+// core with 8-lane vectors; bf16 K/V tiles are converted to fp32 once per head (AVX2 has no
+// bf16 dot product). Without it the portable loops ran ~3.6 GFLOP/s on Zen 3 (64 sequences
+// x 500 positions: 10.3 ms per layer).
+// ---------------------------------------------------------------------------
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+// 2^x for x <= 0 (x may be -inf), as exp2_ps above; 2^n is built from the exponent bits, and
+// x is clamped to -126 so that 2^n stays a normal float.
+inline __m256 exp2_ps8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, n);
+  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Horizontal sums of 8 vectors: result lane i = sum of the lanes of a[i].
+inline __m256 reduce8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // t0 = [a0..a3 sums of lanes 0-3 | a0..a3 sums of lanes 4-7], t1 likewise for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes [0, left) set (left may exceed 8).
+inline __m256 lane_mask8(int left) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), iota));
+}
+
+// 8 dot products q . k[i], i < 8 (fp32 keys; fp32 or bf16 q converted on the fly).
+template <int NV, typename QT>
+inline __m256 dot8(const QT* q, const float* const* k) {
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm256_mul_ps(load8(q), _mm256_loadu_ps(k[i]));
+    for (int v = 1; v < NV; ++v) a[i] = _mm256_fmadd_ps(load8(q + 8 * v), _mm256_loadu_ps(k[i] + 8 * v), a[i]);
+  }
+  return reduce8(a);
+}
+
+template <typename T, int NV>
+struct Avx2Core {
+  static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
+                   const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
+    constexpr int D = NV * 8;
+    const int64_t G = P.G;
+    const int64_t rpt = int64_t(it.nh) * G;
+    const __m256 vc = _mm256_set1_ps(P.c);
+    const __m256 vneg = _mm256_set1_ps(kNegInf);
+    const float* kpf[kTile];
+    const float* vpf[kTile];
+    for (int64_t hk = 0; hk < it.nh; ++hk) {
+      const int64_t kvh = it.h0 + hk;
+      const int64_t koff = kvh * P.k_sh, voff = kvh * P.v_sh;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int j = 0; j < kTile; ++j) {
+          kpf[j] = kp[j] + koff;
+          vpf[j] = vp[j] + voff;
+        }
+      } else {
+        // Convert this head's tile once for all rows sharing it.
+        for (int j = 0; j < jn; ++j) {
+          float* kd = S.kf + j * D;
+          float* vd = S.vf + j * D;
+          for (int v = 0; v < NV; ++v) {
+            _mm256_store_ps(kd + 8 * v, load8(kp[j] + koff + 8 * v));
+            _mm256_store_ps(vd + 8 * v, load8(vp[j] + voff + 8 * v));
+          }
+          kpf[j] = kd;
+          vpf[j] = vd;
+        }
+        for (int j = jn; j < kTile; ++j) {
+          kpf[j] = S.kf;
+          vpf[j] = S.vf;
+        }
+      }
+
+      for (int64_t ti = 0; ti < ntok; ++ti) {
+        const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
+        if (n <= 0) continue;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t r = ti * rpt + hk * G + g;
+          const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
+          float* sr = S.s + r * kTile;
+          __m256 vmax = vneg;
+          for (int g0 = 0; g0 < n; g0 += 8) {
+            __m256 sc = _mm256_mul_ps(dot8<NV>(qr, kpf + g0), vc);
+            sc = _mm256_blendv_ps(vneg, sc, lane_mask8(n - g0));
+            _mm256_store_ps(sr + g0, sc);
+            vmax = _mm256_max_ps(vmax, sc);
+          }
+          const float mold = S.m[r];
+          const float mnew = std::max(mold, hmax8(vmax));
+          const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
+          const __m256 vm = _mm256_set1_ps(mnew);
+          __m256 vsum = _mm256_setzero_ps();
+          for (int g0 = 0; g0 < n; g0 += 8) {
+            __m256 e = exp2_ps8(_mm256_sub_ps(_mm256_load_ps(sr + g0), vm));
+            e = _mm256_and_ps(e, lane_mask8(n - g0));
+            _mm256_store_ps(sr + g0, e);
+            vsum = _mm256_add_ps(vsum, e);
+          }
+          S.m[r] = mnew;
+          S.l[r] = S.l[r] * alpha + hsum8(vsum);
+          pf.row_done();
+
+          float* ar = S.acc + r * D;
+          __m256 a0[NV];
+          for (int v = 0; v < NV; ++v) a0[v] = _mm256_load_ps(ar + 8 * v);
+          if (alpha != 1.f) {
+            const __m256 va = _mm256_set1_ps(alpha);
+            for (int v = 0; v < NV; ++v) a0[v] = _mm256_mul_ps(a0[v], va);
+          }
+          if constexpr (NV <= 4) {
+            // Two accumulator sets to hide FMA latency for small D (16 ymm registers in all).
+            __m256 a1[NV];
+            for (int v = 0; v < NV; ++v) a1[v] = _mm256_setzero_ps();
+            int j = 0;
+            for (; j + 1 < n; j += 2) {
+              const __m256 p0 = _mm256_set1_ps(sr[j]);
+              const __m256 p1 = _mm256_set1_ps(sr[j + 1]);
+              for (int v = 0; v < NV; ++v) {
+                a0[v] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vpf[j] + 8 * v), a0[v]);
+                a1[v] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(vpf[j + 1] + 8 * v), a1[v]);
+              }
+            }
+            if (j < n) {
+              const __m256 p0 = _mm256_set1_ps(sr[j]);
+              for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(vpf[j] + 8 * v), a0[v]);
+            }
+            for (int v = 0; v < NV; ++v) _mm256_store_ps(ar + 8 * v, _mm256_add_ps(a0[v], a1[v]));
+          } else {
+            for (int j = 0; j < n; ++j) {
+              const __m256 p0 = _mm256_set1_ps(sr[j]);
+              const float* v0 = vpf[j];
+              for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * v), a0[v]);
+            }
+            for (int v = 0; v < NV; ++v) _mm256_store_ps(ar + 8 * v, a0[v]);
+          }
+        }
+      }
+    }
+  }
+};
+#endif  // PA_AVX2
+
 using ItemFn = void (*)(const Params&, const Item&, Scratch&);
 
 template <typename T>
 ItemFn select_kernel(int64_t D, int64_t impl) {
 #if PA_AVX512
-  if (impl != kGeneric) {
+  if (impl != kGeneric && impl != kAvx2) {
     const bool dp = PA_AVX512BF16 && std::is_same_v<T, bf16> && impl != kAvx512NoDpbf16 && D % 32 == 0;
     (void)dp;
 #define PA_CASE(NV)                                                            \
@@ -591,6 +777,24 @@ ItemFn select_kernel(int64_t D, int64_t impl) {
         break;
     }
 #undef PA_CASE
+  }
+#endif
+#if PA_AVX2
+  if (impl != kGeneric) {
+#define PA_CASE8(NV) \
+  case NV * 8:       \
+    return &run_item<T, Avx2Core<T, NV>>;
+    switch (D) {  // common head dims; anything else takes the portable path
+      PA_CASE8(4)
+      PA_CASE8(8)
+      PA_CASE8(10)
+      PA_CASE8(12)
+      PA_CASE8(16)
+      PA_CASE8(32)
+      default:
+        break;
+    }
+#undef PA_CASE8
   }
 #endif
   (void)D;
@@ -897,6 +1101,8 @@ std::string build_info() {
   s += PA_AVX512 ? "1" : "0";
   s += " avx512bf16=";
   s += PA_AVX512BF16 ? "1" : "0";
+  s += " avx2=";
+  s += PA_AVX2 ? "1" : "0";
 #ifdef _OPENMP
   s += " openmp=1";
 #else

@@ -1,4 +1,4 @@
-// Fused element-wise ops for the bf16 CPU decoder: RMSNorm (+ residual add), rotary embedding
+// Fused element-wise ops for the CPU decoder (bf16, and fp32 in "fast" numerics): RMSNorm (+ residual add), rotary embedding
 // (in place on q and k), SiLU-and-multiply, and the greedy sampler's row argmax.
 //
 // Why: at decode batch sizes each of these is a handful of tiny aten ops per layer (RMSNorm alone
@@ -9,6 +9,9 @@
 // intermediate that Transformers materialises as a bf16 tensor is rounded to bf16 here too
 // (round-to-nearest-even, as c10::BFloat16). Only reduction order and the exp implementation
 // differ, so results match the torch reference to within one bf16 ulp on rare elements.
+// In fp32 nothing is rounded in between, so results differ from torch's ops only by reduction order
+// and the exp polynomial (a few fp32 ulps): fp32 uses these only in "fast" numerics, never in the
+// "exact" mode that the Transformers parity tests run.
 //
 // Speed: the inner loops are written so that the compiler vectorises them (`omp simd`,
 // -march=native): bf16 <-> fp32 conversions are branch-free bit operations and exp is a
@@ -49,9 +52,6 @@ inline uint16_t float_to_bits(float x) {
 
 inline float round_bits(float x) { return bits_to_float(float_to_bits(x)); }
 
-inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline uint16_t* raw(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
-
 // exp(x) to ~1 fp32 ulp (Cephes' expf: x = n ln2 + r, degree-6 polynomial for e^r, 2^n from the
 // exponent bits). The input is clamped to [-88, 88], where 2^n stays a normal float; beyond it
 // the true exp differs from the clamped one, which changes SiLU only for |x| > 88 (e.g. ~-5e-37
@@ -75,136 +75,196 @@ inline float exp_approx(float x) {
   return y * scale;
 }
 
-void check_bf16_rows(const at::Tensor& t, const char* name) {
+// Element access for the two dtypes the CPU decoder runs in. bf16 rounds every intermediate that
+// Transformers materialises as a bf16 tensor; fp32 ("fast" numerics) has nothing to round.
+struct Bf16Elem {
+  using raw_t = uint16_t;
+  static constexpr at::ScalarType kType = at::kBFloat16;
+  static inline float load(raw_t v) { return bits_to_float(v); }
+  static inline raw_t store(float v) { return float_to_bits(v); }
+  static inline float round(float v) { return round_bits(v); }
+  static raw_t* data(const at::Tensor& t) { return reinterpret_cast<raw_t*>(t.data_ptr<bf16>()); }
+};
+
+struct F32Elem {
+  using raw_t = float;
+  static constexpr at::ScalarType kType = at::kFloat;
+  static inline float load(raw_t v) { return v; }
+  static inline raw_t store(float v) { return v; }
+  static inline float round(float v) { return v; }
+  static raw_t* data(const at::Tensor& t) { return t.data_ptr<float>(); }
+};
+
+// Whether t is bf16 (else fp32; anything else is refused).
+bool is_bf16(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+  if (t.scalar_type() == at::kBFloat16) return true;
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, " must be bfloat16 or float32");
+  return false;
+}
+
+void check_rows(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has dtype ", t.scalar_type(), ", expected ", dtype);
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, hidden] with a contiguous last dim");
 }
 
-// y = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))), as LlamaRMSNorm / Qwen2RMSNorm in bf16.
-inline void rms_norm_row(const bf16* x_, const bf16* w_, bf16* y_, int64_t hidden, float eps) {
-  const uint16_t* x = raw(x_);
-  const uint16_t* w = raw(w_);
-  uint16_t* y = raw(y_);
+// y = w * round(x * rsqrt(mean(x^2) + eps)), as LlamaRMSNorm / Qwen2RMSNorm (statistics in fp32).
+template <typename E>
+inline void rms_norm_row(const typename E::raw_t* x, const typename E::raw_t* w, typename E::raw_t* y,
+                         int64_t hidden, float eps) {
   float sum_sq = 0.f;
 #pragma omp simd reduction(+ : sum_sq)
   for (int64_t i = 0; i < hidden; ++i) {
-    const float v = bits_to_float(x[i]);
+    const float v = E::load(x[i]);
     sum_sq += v * v;
   }
   const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(hidden) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < hidden; ++i) {
-    y[i] = float_to_bits(bits_to_float(w[i]) * round_bits(bits_to_float(x[i]) * inv));
+    y[i] = E::store(E::load(w[i]) * E::round(E::load(x[i]) * inv));
   }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_bf16_rows(x, "x");
-  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kBFloat16, "weight must be contiguous bf16");
+template <typename E>
+at::Tensor rms_norm_impl(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x", E::kType);
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == E::kType, "weight must be contiguous, dtype of x");
   const int64_t rows = x.size(0), hidden = x.size(1);
   TORCH_CHECK(weight.numel() == hidden, "weight size != hidden size");
   at::Tensor out = at::empty({rows, hidden}, x.options());
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* wp = weight.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  const auto* xp = E::data(x);
+  const auto* wp = E::data(weight);
+  auto* op = E::data(out);
   const int64_t xs = x.stride(0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * xs, wp, op + r * hidden, hidden, static_cast<float>(eps));
+    for (int64_t r = begin; r < end; ++r) rms_norm_row<E>(xp + r * xs, wp, op + r * hidden, hidden, static_cast<float>(eps));
   });
   return out;
 }
 
-// residual = bf16(residual + x); x = rms_norm(residual). Both updated in place; returns x.
-at::Tensor add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
-  check_bf16_rows(x, "x");
-  check_bf16_rows(residual, "residual");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (is_bf16(x, "x")) {
+    return rms_norm_impl<Bf16Elem>(x, weight, eps);
+  }
+  return rms_norm_impl<F32Elem>(x, weight, eps);
+}
+
+// residual = round(residual + x); x = rms_norm(residual). Both updated in place; returns x.
+template <typename E>
+at::Tensor add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x", E::kType);
+  check_rows(residual, "residual", E::kType);
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
   const int64_t rows = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden, "weight must be contiguous [hidden]");
-  bf16* xp = x.data_ptr<bf16>();
-  bf16* rp = residual.data_ptr<bf16>();
-  const bf16* wp = weight.data_ptr<bf16>();
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == hidden && weight.scalar_type() == E::kType,
+              "weight must be contiguous [hidden], dtype of x");
+  auto* xp = E::data(x);
+  auto* rp = E::data(residual);
+  const auto* wp = E::data(weight);
   const int64_t xs = x.stride(0), rs = residual.stride(0);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      bf16* xr = xp + r * xs;
-      bf16* rr = rp + r * rs;
-      uint16_t* sum = raw(rr);
-      const uint16_t* add = raw(xr);
+      auto* xr = xp + r * xs;
+      auto* rr = rp + r * rs;
 #pragma omp simd
-      for (int64_t i = 0; i < hidden; ++i) sum[i] = float_to_bits(bits_to_float(sum[i]) + bits_to_float(add[i]));
-      rms_norm_row(rr, wp, xr, hidden, static_cast<float>(eps));
+      for (int64_t i = 0; i < hidden; ++i) rr[i] = E::store(E::load(rr[i]) + E::load(xr[i]));
+      rms_norm_row<E>(rr, wp, xr, hidden, static_cast<float>(eps));
     }
   });
   return x;
 }
 
-// In place: t = bf16(bf16(t * cos) + bf16(rotate_half(t) * sin)) for t in (q, k), each [T, H, D]
+at::Tensor add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  if (is_bf16(x, "x")) {
+    return add_rms_norm_impl<Bf16Elem>(x, residual, weight, eps);
+  }
+  return add_rms_norm_impl<F32Elem>(x, residual, weight, eps);
+}
+
+// In place: t = round(round(t * cos) + round(rotate_half(t) * sin)) for t in (q, k), each [T, H, D]
 // with a contiguous last dim (they may be strided views into the fused qkv output).
-void rotate_heads(at::Tensor& t, const bf16* cos, const bf16* sin, int64_t cs_stride) {
+template <typename E>
+void rotate_heads(at::Tensor& t, const typename E::raw_t* cos, const typename E::raw_t* sin, int64_t cs_stride) {
   const int64_t tokens = t.size(0), heads = t.size(1), dim = t.size(2), half = dim / 2;
-  bf16* base = t.data_ptr<bf16>();
+  auto* base = E::data(t);
   const int64_t s0 = t.stride(0), s1 = t.stride(1);
   at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> row(dim);
     for (int64_t tok = begin; tok < end; ++tok) {
-      const uint16_t* c = raw(cos + tok * cs_stride);
-      const uint16_t* s = raw(sin + tok * cs_stride);
+      const auto* c = cos + tok * cs_stride;
+      const auto* s = sin + tok * cs_stride;
       for (int64_t h = 0; h < heads; ++h) {
-        uint16_t* v = raw(base + tok * s0 + h * s1);
+        auto* v = base + tok * s0 + h * s1;
 #pragma omp simd
-        for (int64_t i = 0; i < dim; ++i) row[i] = bits_to_float(v[i]);
+        for (int64_t i = 0; i < dim; ++i) row[i] = E::load(v[i]);
         // rotate_half(t) = (-t2, t1): the two halves as separate loops, so both vectorise.
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
-          v[i] = float_to_bits(round_bits(row[i] * bits_to_float(c[i])) + round_bits(-row[i + half] * bits_to_float(s[i])));
+          v[i] = E::store(E::round(row[i] * E::load(c[i])) + E::round(-row[i + half] * E::load(s[i])));
         }
 #pragma omp simd
         for (int64_t i = half; i < dim; ++i) {
-          v[i] = float_to_bits(round_bits(row[i] * bits_to_float(c[i])) + round_bits(row[i - half] * bits_to_float(s[i])));
+          v[i] = E::store(E::round(row[i] * E::load(c[i])) + E::round(row[i - half] * E::load(s[i])));
         }
       }
     }
   });
 }
 
-void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+template <typename E>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
   for (const at::Tensor* t : {&q, &k}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, "q/k must be CPU bf16");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == E::kType, "q and k must be CPU tensors of one dtype");
     TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "q/k must be [T, H, D] with a contiguous last dim");
   }
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2),
               "cos/sin must be [T, D]");
   TORCH_CHECK(q.size(2) % 2 == 0 && q.size(2) == k.size(2), "head_dim must be even and equal for q and k");
   at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  TORCH_CHECK(c.scalar_type() == at::kBFloat16 && s.scalar_type() == at::kBFloat16, "cos/sin must be bf16");
-  rotate_heads(q, c.data_ptr<bf16>(), s.data_ptr<bf16>(), c.size(1));
-  rotate_heads(k, c.data_ptr<bf16>(), s.data_ptr<bf16>(), c.size(1));
+  TORCH_CHECK(c.scalar_type() == E::kType && s.scalar_type() == E::kType, "cos/sin must have the dtype of q");
+  rotate_heads<E>(q, E::data(c), E::data(s), c.size(1));
+  rotate_heads<E>(k, E::data(c), E::data(s), c.size(1));
 }
 
-// [T, 2I] (gate | up) -> [T, I]: bf16(bf16(silu(gate)) * up), as act_fn(gate_proj(x)) * up_proj(x).
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_bf16_rows(gate_up, "gate_up");
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  if (is_bf16(q, "q")) {
+    rotary_impl<Bf16Elem>(q, k, cos, sin);
+  } else {
+    rotary_impl<F32Elem>(q, k, cos, sin);
+  }
+}
+
+// [T, 2I] (gate | up) -> [T, I]: round(round(silu(gate)) * up), as act_fn(gate_proj(x)) * up_proj(x).
+template <typename E>
+at::Tensor silu_and_mul_impl(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up", E::kType);
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up width must be even");
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  const bf16* in = gate_up.data_ptr<bf16>();
-  bf16* op = out.data_ptr<bf16>();
+  const auto* in = E::data(gate_up);
+  auto* op = E::data(out);
   const int64_t is = gate_up.stride(0);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* g = raw(in + r * is);
-      const uint16_t* u = g + inter;
-      uint16_t* o = raw(op + r * inter);
+      const auto* g = in + r * is;
+      const auto* u = g + inter;
+      auto* o = op + r * inter;
 #pragma omp simd
       for (int64_t i = 0; i < inter; ++i) {
-        const float x = bits_to_float(g[i]);
-        o[i] = float_to_bits(round_bits(x / (1.0f + exp_approx(-x))) * bits_to_float(u[i]));
+        const float x = E::load(g[i]);
+        o[i] = E::store(E::round(x / (1.0f + exp_approx(-x))) * E::load(u[i]));
       }
     }
   });
   return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  if (is_bf16(gate_up, "gate_up")) {
+    return silu_and_mul_impl<Bf16Elem>(gate_up);
+  }
+  return silu_and_mul_impl<F32Elem>(gate_up);
 }
 
 // [B, V] fp32 -> [B] int64: the index of each row's first maximum, as torch.argmax (a NaN counts as
@@ -254,7 +314,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "vlm_engine fused bf16 element-wise ops (CPU)";
+  m.doc() = "vlm_engine fused bf16/fp32 element-wise ops (CPU)";
   m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm_", &add_rms_norm_, py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,162 @@
+"""Fast numerics (the default) against exact numerics (Transformers' own ops, the parity mode).
+
+Fast mode runs oneDNN-packed linears and the fused C++ norm/rotary/SiLU ops, which sum in a
+different order than Transformers: it is checked the way vLLM checks its CPU backend, by
+per-position log-probabilities within a tolerance and by greedy agreement on real text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlm_engine import Engine, SamplingParams
+from vlm_engine.attention.base import AttentionMetadata
+from vlm_engine.models.layers import ForwardContext
+from vlm_engine.models.prepack import PackedLinear
+
+# fp32 sums of a few hundred products reordered: differences of ~1e-6 relative per op, which
+# 30 layers grow to ~1e-4 nats at most on these models; 2e-3 leaves room and still catches a wrong
+# kernel (a swapped rotary half or a missing residual moves log-probs by whole nats).
+LOGPROB_ATOL = 2e-3
+
+SMOLLM2_PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello to my friend."}],
+    [{"role": "user", "content": "List three prime numbers and explain why they are prime."}],
+]
+
+FIXED_TEXT = (
+    "The lighthouse stood at the end of a long stone pier. Every evening the keeper climbed the "
+    "spiral stairs, trimmed the wick and wound the clockwork that turned the great lens, so that "
+    "ships far out at sea could count the flashes and know exactly where they were."
+)
+
+
+def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
+    """Log-probabilities at every position of one sequence, from one prefill through the engine's
+    own model, KV pool and attention backend: [T, vocab]."""
+    runner, model = engine.runner, engine.model
+    n, ps = len(token_ids), engine.config.page_size
+    pages = torch.arange((n + ps - 1) // ps, dtype=torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_table=pages[None, :],
+        slot_mapping=torch.arange(n, dtype=torch.long),
+        query_lens_host=[n],
+        seq_lens_host=[n],
+    )
+    positions = torch.arange(n)
+    if runner.uses_mrope:  # text only: the three rotary axes share the position
+        positions = positions.expand(3, n)
+    ctx = ForwardContext(meta, runner.kv_caches, runner.attn_backend, runner.fused_ops)
+    with torch.inference_mode():
+        hidden = model(model.embed(torch.tensor(token_ids)), positions, ctx)
+        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+
+
+def assert_fast_path(engine: Engine) -> None:
+    """The engine really runs the fast kernels (else the comparison proves nothing)."""
+    assert engine.config.numerics == "fast"
+    assert engine.runner.fused_ops is not None
+    assert any(isinstance(m, PackedLinear) for m in engine.model.modules())
+
+
+def greedy_agreement(fast: list[int], exact: list[int]) -> int:
+    """How many leading tokens agree."""
+    n = 0
+    for a, b in zip(fast, exact):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def compare_greedy_logprobs(fast_out, exact_out) -> int:
+    """Tokens agreeing before the first divergence; on those positions (identical contexts) every
+    top-5 log-prob of the exact run is within tolerance in the fast run."""
+    agree = greedy_agreement(fast_out.token_ids, exact_out.token_ids)
+    for pos in range(min(agree + 1, len(exact_out.token_ids))):  # the divergent position's context is shared too
+        got = dict(fast_out.logprobs[pos].top_logprobs)
+        for token, logprob in exact_out.logprobs[pos].top_logprobs:
+            if token in got:
+                assert abs(got[token] - logprob) < LOGPROB_ATOL, (pos, token, got[token], logprob)
+    return agree
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_vlm_dir: Path) -> tuple[Engine, Engine]:
+    kwargs = {"dtype": "float32", "kv_cache_tokens": 2048}
+    return Engine(str(tiny_vlm_dir), numerics="fast", **kwargs), Engine(str(tiny_vlm_dir), numerics="exact", **kwargs)
+
+
+def test_exact_mode_runs_transformers_ops(tiny_pair: tuple[Engine, Engine]) -> None:
+    _, exact = tiny_pair
+    assert exact.runner.fused_ops is None
+    assert not any(isinstance(m, PackedLinear) for m in exact.model.modules())
+
+
+def test_unknown_numerics_is_refused(tiny_vlm_dir: Path) -> None:
+    with pytest.raises(ValueError, match="numerics"):
+        Engine(str(tiny_vlm_dir), numerics="turbo")
+
+
+def test_tiny_vlm_per_position_logprobs_match_exact(tiny_pair: tuple[Engine, Engine]) -> None:
+    fast, exact = tiny_pair
+    assert_fast_path(fast)
+    ids = fast.tokenizer(FIXED_TEXT)["input_ids"]
+    got, want = prefill_logprobs(fast, ids), prefill_logprobs(exact, ids)
+    assert got.shape == want.shape == (len(ids), want.shape[1])
+    assert (got - want).abs().max().item() < LOGPROB_ATOL
+
+
+def test_tiny_vlm_greedy_with_image_agrees_with_exact(tiny_pair: tuple[Engine, Engine]) -> None:
+    from tests.conftest import make_image
+
+    fast, exact = tiny_pair
+    conversations = [
+        [{"role": "user", "content": [{"type": "image", "image": make_image(64, 48, 1)},
+                                      {"type": "text", "text": "What is in the picture?"}]}],
+        [{"role": "user", "content": "Tell me a story about a dragon."}],
+    ]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+    for f, e in zip(fast.chat(conversations, params), exact.chat(conversations, params)):
+        compare_greedy_logprobs(f, e)
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair() -> tuple[Engine, Engine]:
+    kwargs = {"dtype": "float32", "kv_cache_tokens": 4096}
+    return (
+        Engine("SmolLM2-135M-Instruct", numerics="fast", **kwargs),
+        Engine("SmolLM2-135M-Instruct", numerics="exact", **kwargs),
+    )
+
+
+@pytest.mark.slow
+def test_smollm2_per_position_logprobs_match_exact(smollm2_pair: tuple[Engine, Engine]) -> None:
+    fast, exact = smollm2_pair
+    assert_fast_path(fast)
+    ids = fast.tokenizer(FIXED_TEXT)["input_ids"]
+    got, want = prefill_logprobs(fast, ids), prefill_logprobs(exact, ids)
+    # The real model's distributions are peaked: compare where the exact run puts real mass.
+    top = want.topk(20, dim=-1).indices
+    diff = (got.gather(1, top) - want.gather(1, top)).abs().max().item()
+    print(f"SmolLM2 fast vs exact, {len(ids)} positions x top-20: max |d logprob| = {diff:.2e}")
+    assert diff < LOGPROB_ATOL
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_agreement_with_exact(smollm2_pair: tuple[Engine, Engine]) -> None:
+    fast, exact = smollm2_pair
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
+    agreed = [
+        compare_greedy_logprobs(f, e)
+        for f, e in zip(fast.chat(SMOLLM2_PROMPTS, params), exact.chat(SMOLLM2_PROMPTS, params))
+    ]
+    print(f"SmolLM2 fast vs exact greedy, tokens agreeing before the first divergence: {agreed} of 32 each")
+    assert sum(agreed) >= 0.9 * 32 * len(SMOLLM2_PROMPTS), agreed
