@@ -1,5 +1,6 @@
-"""Start and stop the servers under test as subprocesses: ours (`vlm-engine serve`), the CPU peer
-(`transformers serve --continuous-batching`) and, on CUDA machines, vLLM and SGLang.
+"""Start and stop the servers under test as subprocesses: ours (`vlm-engine serve`), the CPU peers
+(llama.cpp's `llama-server`, `transformers serve --continuous-batching`) and, on CUDA machines,
+vLLM and SGLang.
 
 Each server runs in its own session (process group) with its log in a file; stopping it signals
 the whole group (SIGTERM, then SIGKILL after a grace period), so no worker outlives a run, even
@@ -26,7 +27,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
 PEER_VENV = BENCH / ".peer-venv"
-KINDS = ("ours", "transformers", "vllm", "sglang")
+KINDS = ("ours", "llamacpp", "transformers", "vllm", "sglang")
 TRANSFORMERS_PAGE_TOKENS = 256  # ContinuousBatchingConfig.page_size default (transformers 5.24)
 
 _live: weakref.WeakSet[ManagedServer] = weakref.WeakSet()
@@ -57,6 +58,9 @@ class ServerSpec:
     # its paged cache from free memory and was OOM-killed on a 24 GiB machine shared with other
     # work, so it always gets an explicit size.
     kv_tokens: int | None = 65_536
+    executable: str | None = None  # llamacpp: the llama-server binary (model_dir is then a .gguf file)
+    slots: int = 64  # llamacpp: parallel sequences (-np); its -c context is split between them
+    threads: int | None = None  # llamacpp: -t (default: this machine's cores)
 
     @property
     def name(self) -> str:
@@ -80,6 +84,13 @@ class ServerSpec:
             launcher = [tool, "serve", d, "--continuous-batching", "--device", "cpu"]
             blocks = -(-(self.kv_tokens or 65_536) // TRANSFORMERS_PAGE_TOKENS)
             own = ["--cb-num-blocks", str(blocks)]
+        elif self.kind == "llamacpp":
+            if not self.executable:
+                raise FileNotFoundError("llama-server not given (benchmarks/vs_llamacpp.py finds or builds it)")
+            threads = self.threads or os.cpu_count() or 1
+            ctx = ["-np", str(self.slots), "-c", str(self.kv_tokens or 65_536), "-t", str(threads), "--cont-batching"]
+            # llama-server has no --dtype: the GGUF file's tensor types are the dtype.
+            return [self.executable, "-m", d, "--host", "127.0.0.1", "--port", str(port), *ctx, *self.extra_args]
         elif self.kind == "vllm":
             launcher = [_venv_tool("vllm", PEER_VENV) or "vllm", "serve", d]
             own = ["--served-model-name", d]

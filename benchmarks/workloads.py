@@ -21,11 +21,11 @@ from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Protocol
 
-WORKLOAD_NAMES = ("chatbot", "agent", "data")
+WORKLOAD_NAMES = ("chatbot", "agent", "data", "textchat")
 
 # Server flavours differ in which non-standard fields they accept (PEERS.md: `transformers serve`
 # answers 422 to unknown fields such as `ignore_eos`).
-FLAVORS = ("vlm-engine", "vllm", "sglang", "transformers", "openai")
+FLAVORS = ("vlm-engine", "vllm", "sglang", "llamacpp", "transformers", "openai")
 
 
 class Tokenizer(Protocol):
@@ -55,6 +55,8 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     "chatbot": WorkloadSpec("chatbot", 2000, 32, (32, 200), "shared", shared_image_prob=0.8),
     "agent": WorkloadSpec("agent", 3000, 64, (512, 512), "none"),
     "data": WorkloadSpec("data", 0, 48, (32, 32), "unique", json_output=True),
+    # Plain streaming chat, fixed 64 output tokens: decode speed at a given concurrency.
+    "textchat": WorkloadSpec("textchat", 0, 32, (64, 64), "none"),
 }
 
 
@@ -265,7 +267,7 @@ def chat_payload(messages: list[dict[str, Any]], max_tokens: int, model: str | N
 
 def length_fields(flavor: str, max_tokens: int) -> dict[str, Any]:
     """Non-standard fields that pin the output length, per server flavour."""
-    if flavor in ("vlm-engine", "vllm", "sglang"):
+    if flavor in ("vlm-engine", "vllm", "sglang", "llamacpp"):
         return {"ignore_eos": True}
     if flavor == "transformers":
         # `transformers serve` rejects unknown fields but takes a whole GenerationConfig as JSON;

