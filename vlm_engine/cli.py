@@ -53,7 +53,7 @@ def _origins(text: str) -> tuple[str, ...]:
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
-    from vlm_engine.config import NUMERICS
+    from vlm_engine.config import NUMERICS, QUANTIZATIONS
     from vlm_engine.server.apps import APPS
     from vlm_engine.server.config import DEFAULT_MODEL, ServerConfig
 
@@ -88,6 +88,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.numerics,
         choices=list(NUMERICS),
         help="fast: the CPU kernels fastest here (packed linears, fused C++ ops); exact: Transformers' own ops",
+    )
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="weight-only int8/int4 decoder linears on CPU (llama.cpp's Q8_0/Q4_1 schemes; a Q4_1 GGUF keeps its codes)",
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     a = p.add_argument_group("admission and media")
@@ -172,6 +178,7 @@ def run_serve(args: argparse.Namespace) -> int:
         enable_prefix_cache=not args.no_prefix_cache,
         attention_backend=args.attention_backend,
         numerics=args.numerics,
+        quantization=args.quantization,
         warmup=not args.no_warmup,
         max_waiting_requests=args.max_waiting_requests,
         limit_mm_per_prompt=args.limit_mm_per_prompt.get("image", ServerConfig.limit_mm_per_prompt),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NUMERICS = ("fast", "exact")
+QUANTIZATIONS = ("int8", "int4")  # weight-only schemes of vlm_engine.models.quantized
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class EngineConfig:
     # "fast": the CPU kernels fastest here (oneDNN-packed linears, fused C++ norm/rotary/SiLU), equal
     # to Transformers within float tolerance; "exact": Transformers' own ops, token-for-token parity.
     numerics: str = "fast"
+    # Weight-only "int8" / "int4" decoder linears on CPU (vlm_engine.models.quantized); None: off.
+    quantization: str | None = None
     prepack_weights: bool = True  # fast numerics on CPU: linears in oneDNN's blocked layout (models.prepack)
     fused_cpu_ops: bool = True  # fast numerics on CPU: C++ norm/rotary/SiLU ops (models.fused_ops)
     encoder_cache_bytes: int = 256 * 1024 * 1024  # vision-encoder outputs kept by content hash
@@ -33,6 +36,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization keeps float32 activations; dtype {self.dtype!r} cannot be combined with it")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

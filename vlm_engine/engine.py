@@ -112,14 +112,18 @@ class Engine:
         self.source = resolve_model(model)
         self.hf_config = load_config(self.source)
         self.device = default_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.hf_config, self.device, self.source.gguf_file is not None)
+        # Quantized linears keep fp32 activations: "auto" then means float32.
+        dtype_choice = "float32" if cfg.quantization else cfg.dtype
+        self.dtype = resolve_dtype(dtype_choice, self.hf_config, self.device, self.source.gguf_file is not None)
         fast = cfg.numerics == "fast"
         use_fused = fast and cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype)
         fused = load_fused_ops() if use_fused else None
         small_m = fused if fused is not None and fused.panel_linear_vectorized() else None
+        quant_ops = (fused or load_fused_ops()) if cfg.quantization else None
         self.model = build_model(
             self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights,
             small_m, _mem_available() // 8,  # the panel copy of fp32 weights, if it is this small
+            cfg.quantization, quant_ops,
         )
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
         self.tokenizer = self.processor.tokenizer
@@ -151,10 +155,10 @@ class Engine:
         self._ids = itertools.count()
         self.last_step = StepStats()
         logger.info(
-            "engine ready: %s, %s, %s numerics, attention %s, fused CPU ops %s, CPU tier %s, "
+            "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
             "%d KV pages x %d tokens, max_model_len %d",
-            self.source.name, self.dtype, cfg.numerics, backend.name, fused is not None, isa_tier(), num_pages,
-            cfg.page_size, self.max_model_len,
+            self.source.name, self.dtype, cfg.numerics, cfg.quantization or "unquantized", backend.name,
+            fused is not None, isa_tier(), num_pages, cfg.page_size, self.max_model_len,
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------

@@ -22,6 +22,7 @@ from vlm_engine.models import loader
 from vlm_engine.models.cpu_isa import has_native_bf16, isa_tier
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
+from vlm_engine.models.quantized import quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +145,8 @@ def build_model(
     prepack: bool = True,
     small_m_ops: ModuleType | None = None,
     small_m_budget: int = 0,
+    quantization: str | None = None,
+    quant_ops: ModuleType | None = None,
 ) -> nn.Module:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
@@ -161,6 +164,10 @@ def build_model(
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
+    if quantization:
+        if device.type != "cpu" or dtype != torch.float32 or quant_ops is None:
+            raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
+        quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if prepack and prepack_supported(device, dtype):
         prepack_linears(model, small_m_ops, small_m_budget)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)

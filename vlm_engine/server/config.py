@@ -27,6 +27,7 @@ class ServerConfig:
     enable_prefix_cache: bool = True
     attention_backend: str = "auto"
     numerics: str = "fast"  # EngineConfig.numerics: "fast" kernels, or Transformers' "exact" ops
+    quantization: str | None = None  # EngineConfig.quantization: "int8" / "int4" weight-only linears
 
     # Admission and input limits.
     max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
@@ -95,6 +96,7 @@ class ServerConfig:
             "enable_prefix_cache": self.enable_prefix_cache,
             "attention_backend": self.attention_backend,
             "numerics": self.numerics,
+            "quantization": self.quantization,
         }
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len

@@ -22,6 +22,7 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -379,6 +381,232 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
 
 bool panel_linear_vectorized() { return kPanelVectorized; }
 
+// ---- Weight-only quantized panels: int8 (Q8_0) and int4 (Q4_1), groups of 32 along K -------------
+//
+// The schemes of llama.cpp's Q8_0 and Q4_1 blocks, so that a GGUF file re-quantized here keeps its
+// codes: per (output row, group of 32 inputs) a scale d and, for int4, a minimum m (fp16, as in
+// GGUF); int8: w = d * q, q in [-127, 127]; int4: w = d * q + m, q in [0, 15]. Laid out in panels
+// of 16 output rows like the fp32 kernel: codes [P][K][16] (int8) or [P][K][8] (int4, byte j =
+// column j low nibble | column j+8 high nibble), scales [P][K/32][2][16] (d, then m).
+// The product is summed per group and scaled once: sum_k w x = d sum_k q x + m sum_k x.
+constexpr int64_t kGroup = 32;
+
+inline uint16_t half_bits(float x) { return c10::Half(x).x; }
+inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+
+std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2, "w must be a CPU fp32 [N, K] tensor");
+  const at::Tensor src = w.contiguous();
+  const int64_t n = src.size(0), k = src.size(1), panels = (n + kPanel - 1) / kPanel, groups = k / kGroup;
+  TORCH_CHECK(k % kGroup == 0, "in_features (", k, ") must be a multiple of ", kGroup);
+  const int64_t code_cols = bits == 8 ? kPanel : kPanel / 2;
+  at::Tensor codes = at::zeros({panels, k, code_cols}, src.options().dtype(bits == 8 ? at::kChar : at::kByte));
+  at::Tensor scales = at::zeros({panels, groups, 2, kPanel}, src.options().dtype(at::kShort));
+  const float* sp = src.data_ptr<float>();
+  uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
+  uint16_t* qp = reinterpret_cast<uint16_t*>(scales.data_ptr<int16_t>());
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t p = row / kPanel, c = row % kPanel;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* x = sp + row * k + g * kGroup;
+        uint16_t* sc = qp + ((p * groups + g) * 2) * kPanel;
+        if (bits == 8) {  // llama.cpp quantize_row_q8_0_ref
+          float amax = 0.f;
+          for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+          const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+          sc[c] = half_bits(d);
+          sc[kPanel + c] = half_bits(0.f);
+          for (int64_t i = 0; i < kGroup; ++i) {
+            const int64_t kk = g * kGroup + i;
+            reinterpret_cast<int8_t*>(cp)[(p * k + kk) * kPanel + c] = static_cast<int8_t>(std::lround(x[i] * id));
+          }
+        } else {  // llama.cpp quantize_row_q4_1_ref
+          float mn = x[0], mx = x[0];
+          for (int64_t i = 1; i < kGroup; ++i) {
+            mn = std::min(mn, x[i]);
+            mx = std::max(mx, x[i]);
+          }
+          const float d = (mx - mn) / 15.f, id = d ? 1.f / d : 0.f;
+          sc[c] = half_bits(d);
+          sc[kPanel + c] = half_bits(mn);
+          for (int64_t i = 0; i < kGroup; ++i) {
+            const int64_t kk = g * kGroup + i;
+            const uint8_t q = static_cast<uint8_t>(std::min(15, static_cast<int>((x[i] - mn) * id + 0.5f)));
+            uint8_t& byte = cp[(p * k + kk) * (kPanel / 2) + c % 8];
+            byte = static_cast<uint8_t>(c < 8 ? (byte & 0xF0) | q : (byte & 0x0F) | (q << 4));
+          }
+        }
+      }
+    }
+  });
+  return {codes, scales};
+}
+
+// The weights the codes stand for, [N, K] fp32 (tests, and the reference the kernel must equal).
+at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits) {
+  const int64_t panels = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
+  at::Tensor out = at::empty({n, k}, codes.options().dtype(at::kFloat));
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  float* op = out.data_ptr<float>();
+  for (int64_t row = 0; row < n; ++row) {
+    const int64_t p = row / kPanel, c = row % kPanel;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const uint16_t* sc = qp + ((p * groups + kk / kGroup) * 2) * kPanel;
+      float q;
+      if (bits == 8) {
+        q = reinterpret_cast<const int8_t*>(cp)[(p * k + kk) * kPanel + c];
+      } else {
+        const uint8_t byte = cp[(p * k + kk) * (kPanel / 2) + c % 8];
+        q = c < 8 ? (byte & 0x0F) : (byte >> 4);
+      }
+      op[row * k + kk] = half_value(sc[c]) * q + half_value(sc[kPanel + c]);
+    }
+  }
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kQuantVectorized = true;
+
+template <int Bits>
+inline void decode16(const uint8_t* codes, __m256& lo, __m256& hi) {
+  if constexpr (Bits == 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  } else {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+  }
+}
+
+template <int Bits, int MR>
+inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t k,
+                             const float* bias, float* y, int64_t ys, int64_t ncols) {
+  constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
+  __m256 acc_lo[MR], acc_hi[MR];
+  for (int r = 0; r < MR; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
+    __m256 g_lo[MR], g_hi[MR];
+    float xsum[MR];
+    for (int r = 0; r < MR; ++r) {
+      g_lo[r] = g_hi[r] = _mm256_setzero_ps();
+      xsum[r] = 0.f;
+    }
+    for (int64_t i = g0; i < g0 + kGroup; ++i) {
+      __m256 q_lo, q_hi;
+      decode16<Bits>(codes + i * kCodeCols, q_lo, q_hi);
+      for (int r = 0; r < MR; ++r) {
+        const float xv = x[r * xs + i];
+        xsum[r] += xv;
+        const __m256 xb = _mm256_set1_ps(xv);
+        g_lo[r] = _mm256_fmadd_ps(xb, q_lo, g_lo[r]);
+        g_hi[r] = _mm256_fmadd_ps(xb, q_hi, g_hi[r]);
+      }
+    }
+    const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
+    const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+    const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
+    for (int r = 0; r < MR; ++r) {
+      acc_lo[r] = _mm256_fmadd_ps(d_lo, g_lo[r], acc_lo[r]);
+      acc_hi[r] = _mm256_fmadd_ps(d_hi, g_hi[r], acc_hi[r]);
+    }
+    if constexpr (Bits == 4) {
+      const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel)));
+      const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel + 8)));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_set1_ps(xsum[r]);
+        acc_lo[r] = _mm256_fmadd_ps(m_lo, xb, acc_lo[r]);
+        acc_hi[r] = _mm256_fmadd_ps(m_hi, xb, acc_hi[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(32) float t[kPanel];
+    _mm256_store_ps(t, acc_lo[r]);
+    _mm256_store_ps(t + 8, acc_hi[r]);
+    for (int64_t c = 0; c < ncols; ++c) y[r * ys + c] = t[c] + (bias ? bias[c] : 0.f);
+  }
+}
+#else
+constexpr bool kQuantVectorized = false;
+
+template <int Bits, int MR>
+inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t k,
+                             const float* bias, float* y, int64_t ys, int64_t ncols) {
+  constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t c = 0; c < ncols; ++c) {
+      float acc = 0.f;
+      for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
+        float dot = 0.f, xsum = 0.f;
+        for (int64_t i = g0; i < g0 + kGroup; ++i) {
+          const uint8_t* b = codes + i * kCodeCols;
+          const float q = Bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(b)[c])
+                                    : static_cast<float>(c < 8 ? (b[c] & 0x0F) : (b[c - 8] >> 4));
+          dot += q * x[r * xs + i];
+          xsum += x[r * xs + i];
+        }
+        const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
+        acc += half_value(sc[c]) * dot + half_value(sc[kPanel + c]) * xsum;
+      }
+      y[r * ys + c] = acc + (bias ? bias[c] : 0.f);
+    }
+  }
+}
+#endif
+
+at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                              int64_t bits, const std::optional<at::Tensor>& bias) {
+  check_rows(x, "x", at::kFloat);
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == (bits == 8 ? kPanel : kPanel / 2),
+              "codes must come from quantize_panels");
+  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0);
+  TORCH_CHECK(codes.size(1) == k, "x has ", k, " features, the weight ", codes.size(1));
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * (k / kGroup) * 2 * kPanel, "scales do not match the codes");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
+  float* yp = y.data_ptr<float>();
+  const int64_t xs = x.stride(0), code_bytes = k * codes.size(2), scale_count = (k / kGroup) * 2 * kPanel;
+  auto run = [&](auto bits_tag) {
+    constexpr int B = decltype(bits_tag)::value;
+    at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const uint8_t* c = cp + p * code_bytes;
+        const uint16_t* sc = qp + p * scale_count;
+        const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
+        const float* b = bp ? bp + c0 : nullptr;
+        int64_t r = 0;
+        for (; r + 2 <= m; r += 2) quant_panel_rows<B, 2>(xp + r * xs, xs, c, sc, k, b, yp + r * n + c0, n, ncols);
+        if (r < m) quant_panel_rows<B, 1>(xp + r * xs, xs, c, sc, k, b, yp + r * n + c0, n, ncols);
+      }
+    });
+  };
+  if (bits == 8) {
+    run(std::integral_constant<int, 8>{});
+  } else {
+    run(std::integral_constant<int, 4>{});
+  }
+  return y;
+}
+
+bool quant_linear_vectorized() { return kQuantVectorized; }
+
 // [B, V] fp32 -> [B] int64: the index of each row's first maximum, as torch.argmax (a NaN counts as
 // the maximum). torch's CPU argmax tracks an index per element and ran at ~0.75 ns per logit
 // (2 ms per step for 64 x 49,152); here a vectorised max over blocks, then a scan of the first
@@ -438,4 +666,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("panel_linear_vectorized", &panel_linear_vectorized);
+  m.def("quantize_panels", &quantize_panels, py::arg("w"), py::arg("bits"), py::call_guard<py::gil_scoped_release>());
+  m.def("dequantize_panels", &dequantize_panels, py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bits"));
+  m.def("quant_panel_linear", &quant_panel_linear, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"),
+        py::arg("bits"), py::arg("bias") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear_vectorized", &quant_linear_vectorized);
 }
