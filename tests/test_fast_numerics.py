@@ -67,8 +67,7 @@ def assert_fast_path(engine: Engine) -> None:
     packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
     assert packed
     if engine.dtype == torch.float32 and fused.panel_linear_vectorized():
-        # decode at batch <= SMALL_M_ROWS takes the panel kernel (the weight copy fits: small models)
-        assert all(m._panels is not None for m in packed)
+        assert all(m._panels is not None for m in packed)  # fp32 linears take the panel kernel
 
 
 def greedy_agreement(fast: list[int], exact: list[int]) -> int:

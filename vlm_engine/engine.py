@@ -118,11 +118,10 @@ class Engine:
         fast = cfg.numerics == "fast"
         use_fused = fast and cfg.fused_cpu_ops and fused_ops_apply(self.device, self.dtype)
         fused = load_fused_ops() if use_fused else None
-        small_m = fused if fused is not None and fused.panel_linear_vectorized() else None
+        panel_ops = fused if fused is not None and fused.panel_linear_vectorized() else None
         quant_ops = (fused or load_fused_ops()) if cfg.quantization else None
         self.model = build_model(
-            self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights,
-            small_m, _mem_available() // 8,  # the panel copy of fp32 weights, if it is this small
+            self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights, panel_ops,
             cfg.quantization, quant_ops,
         )
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)

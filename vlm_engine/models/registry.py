@@ -143,8 +143,7 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device,
     prepack: bool = True,
-    small_m_ops: ModuleType | None = None,
-    small_m_budget: int = 0,
+    panel_ops: ModuleType | None = None,
     quantization: str | None = None,
     quant_ops: ModuleType | None = None,
 ) -> nn.Module:
@@ -169,7 +168,7 @@ def build_model(
             raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
         quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if prepack and prepack_supported(device, dtype):
-        prepack_linears(model, small_m_ops, small_m_budget)
+        prepack_linears(model, panel_ops)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

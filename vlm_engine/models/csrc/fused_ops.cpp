@@ -274,13 +274,15 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return silu_and_mul_impl<F32Elem>(gate_up);
 }
 
-// ---- Small-M fp32 linear: decode at batch 1-2 is a race for memory bandwidth ----------------------
+// ---- fp32 linear over weight panels ----------------------------------------------------------------
 //
 // y[M, N] = x[M, K] W^T (+ bias) with W re-laid out once as panels of 16 output rows,
-// [ceil(N/16)][K][16]: each thread streams whole panels front to back (the hardware prefetcher
-// follows), loads each weight once and broadcasts x. On Zen 3 all SmolLM2 linears of a step took
-// 21 ms at M = 1 and 2 (25 GB/s, the machine reads 27) against oneDNN's packed kernel's 31-33 ms,
-// 32 vs 36 ms at M = 4; from M = 8 oneDNN is as fast or faster (prepack.SMALL_M_ROWS).
+// [ceil(N/16)][K][16]. Each thread takes whole panels; for every 6 rows of x it streams the panel
+// (in chunks of 256 inputs that stay in L1), loads each 16-wide weight row once and broadcasts x
+// into 12 accumulators. Every output is one FMA chain over k = 0..K-1, whatever the number of
+// rows, so results do not depend on the batch. On Zen 3 (AVX2), all SmolLM2 linears of a step,
+// weights cycling through memory, against oneDNN's packed fp32 kernel: M=1 21 vs 31 ms (25 GB/s of
+// the machine's 27), M=8 23 vs 32 ms, M=16 36 vs 47 ms, M=64 103 vs 127 ms (166 GFLOP/s).
 constexpr int64_t kPanel = 16;
 
 at::Tensor pack_panels(const at::Tensor& w) {
@@ -305,17 +307,21 @@ at::Tensor pack_panels(const at::Tensor& w) {
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kPanelVectorized = true;
 
+// The FMA loop over inputs [k0, k1), accumulating into an aligned [MR][16] block (zeroed first
+// when `first`). This shape is measured, not derived: one function doing the loop, bias and
+// partial-panel copy together compiled (gcc) to a loop 2-3x slower at MR = 6.
 template <int MR>
-inline void panel_rows(const float* x, int64_t xs, const float* w, int64_t k, const float* bias, float* y, int64_t ys,
-                       int64_t ncols) {
+inline void panel_block(const float* x, int64_t xs, const float* w, int64_t k0, int64_t k1, float* acc, bool first) {
   __m256 lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) {
-    lo[r] = _mm256_setzero_ps();
-    hi[r] = _mm256_setzero_ps();
+    lo[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel);
+    hi[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + 8);
   }
-  for (int64_t i = 0; i < k; ++i) {
-    const __m256 w0 = _mm256_loadu_ps(w + i * kPanel);
-    const __m256 w1 = _mm256_loadu_ps(w + i * kPanel + 8);
+  for (int64_t i = k0; i < k1; ++i) {
+    // Aligned loads: panels come from at::zeros (64-byte aligned) in whole 64-byte rows.
+    const __m256 w0 = _mm256_load_ps(w + i * kPanel);
+    const __m256 w1 = _mm256_load_ps(w + i * kPanel + 8);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * xs + i);
       lo[r] = _mm256_fmadd_ps(xb, w0, lo[r]);
@@ -323,11 +329,20 @@ inline void panel_rows(const float* x, int64_t xs, const float* w, int64_t k, co
     }
   }
   for (int r = 0; r < MR; ++r) {
-    alignas(32) float t[kPanel];
-    _mm256_store_ps(t, lo[r]);
-    _mm256_store_ps(t + 8, hi[r]);
-    for (int64_t c = 0; c < ncols; ++c) y[r * ys + c] = t[c] + (bias ? bias[c] : 0.f);
+    _mm256_store_ps(acc + r * kPanel, lo[r]);
+    _mm256_store_ps(acc + r * kPanel + 8, hi[r]);
   }
+}
+
+constexpr int64_t kPanelChunk = 256;  // inputs per pass: 16 KB of panel stays in L1 for all rows
+
+template <int MR>
+inline void panel_rows(const float* x, int64_t xs, const float* w, int64_t k, const float* bias, float* y, int64_t ys,
+                       int64_t ncols) {
+  alignas(32) float acc[MR * kPanel];
+  for (int64_t k0 = 0; k0 < k; k0 += kPanelChunk) panel_block<MR>(x, xs, w, k0, std::min(k, k0 + kPanelChunk), acc, k0 == 0);
+  for (int r = 0; r < MR; ++r)
+    for (int64_t c = 0; c < ncols; ++c) y[r * ys + c] = acc[r * kPanel + c] + (bias ? bias[c] : 0.f);
 }
 #else
 constexpr bool kPanelVectorized = false;
@@ -367,8 +382,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
       const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
       const float* b = bp ? bp + c0 : nullptr;
       int64_t r = 0;
-      for (; r + 4 <= m; r += 4) panel_rows<4>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols);
+      for (; r + 6 <= m; r += 6) panel_rows<6>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols);
       switch (m - r) {
+        case 5: panel_rows<5>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols); break;
+        case 4: panel_rows<4>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols); break;
         case 3: panel_rows<3>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols); break;
         case 2: panel_rows<2>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols); break;
         case 1: panel_rows<1>(xp + r * xs, xs, w, k, b, yp + r * n + c0, n, ncols); break;
@@ -502,6 +519,7 @@ inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, c
     for (int64_t i = g0; i < g0 + kGroup; ++i) {
       __m256 q_lo, q_hi;
       decode16<Bits>(codes + i * kCodeCols, q_lo, q_hi);
+#pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
         const float xv = x[r * xs + i];
         xsum[r] += xv;
