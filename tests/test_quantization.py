@@ -144,3 +144,20 @@ def test_smollm2_quantized_perplexity_and_answers() -> None:
         assert abs(ppl / reference - 1) < 0.02, (scheme, ppl, reference)
         answer = engine.chat(question, SamplingParams(max_tokens=12, temperature=0.0))[0].text
         assert "Paris" in answer, (scheme, answer)
+
+
+def test_parallel_quantization_equals_single_threaded(ops) -> None:
+    """Threads take whole panels (int4 rows c and c+8 share code bytes): row counts that split a
+    panel between threads must give the same codes as one thread."""
+    before = torch.get_num_threads()
+    try:
+        for n in (37, 200):
+            w = torch.randn(n, 64, generator=torch.Generator().manual_seed(n))
+            torch.set_num_threads(1)
+            want = ops.quantize_panels(w, 4)
+            torch.set_num_threads(max(2, before))
+            for _ in range(10):
+                got = ops.quantize_panels(w, 4)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    finally:
+        torch.set_num_threads(before)

@@ -423,8 +423,9 @@ std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
   const float* sp = src.data_ptr<float>();
   uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
   uint16_t* qp = reinterpret_cast<uint16_t*>(scales.data_ptr<int16_t>());
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
+  // By panel, not by row: int4 rows c and c + 8 of a panel share code bytes.
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin * kPanel; row < std::min(n, end * kPanel); ++row) {
       const int64_t p = row / kPanel, c = row % kPanel;
       for (int64_t g = 0; g < groups; ++g) {
         const float* x = sp + row * k + g * kGroup;
