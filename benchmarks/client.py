@@ -23,6 +23,8 @@ import httpx
 import numpy as np
 from workloads import BenchRequest
 
+from vlm_engine.metrics.scrape import parse_metrics
+
 # ---- SSE ----------------------------------------------------------------------------------------
 
 
@@ -351,20 +353,14 @@ def served_model_id(base_url: str, headers: dict[str, str] | None = None) -> str
 
 
 def scrape_metrics(base_url: str) -> dict[str, float] | None:
-    """Prometheus counters from GET /metrics (our server publishes step-time counters there)."""
+    """Prometheus samples from GET /metrics (ours: `vlm_engine:` counters, e.g. per-step times)."""
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=5.0)
     except httpx.HTTPError:
         return None
     if r.status_code != 200:
         return None
-    out: dict[str, float] = {}
-    for line in r.text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            out[name.strip()] = float(value)
-        except ValueError:
-            continue
-    return out
+    try:
+        return parse_metrics(r.text)
+    except ValueError:  # not the Prometheus text format
+        return None

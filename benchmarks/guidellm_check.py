@@ -95,9 +95,9 @@ def server_counters(base_url: str) -> dict[str, float]:
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Steps and forward ms per step while one client ran (NaN for servers without our counters)."""
-    steps = after.get("vlm_steps_total", math.nan) - before.get("vlm_steps_total", math.nan)
-    forward = after.get("vlm_step_forward_seconds_total", math.nan) - before.get(
-        "vlm_step_forward_seconds_total", math.nan
+    steps = after.get("vlm_engine:engine_steps_total", math.nan) - before.get("vlm_engine:engine_steps_total", math.nan)
+    forward = after.get("vlm_engine:step_forward_seconds_sum", math.nan) - before.get(
+        "vlm_engine:step_forward_seconds_sum", math.nan
     )
     return {"server_steps": steps, "server_forward_ms_per_step": 1000 * forward / steps if steps else math.nan}
 
@@ -218,7 +218,7 @@ def run_simultaneous(
     before = server_counters(base_url)
     proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
     deadline = time.monotonic() + 300
-    while server_counters(base_url).get("vlm_requests_inflight", 0) < 1:
+    while server_counters(base_url).get("vlm_engine:num_requests_inflight", 0) < 1:
         if proc.poll() is not None or time.monotonic() > deadline:
             finish_guidellm(proc, out_json, 10)  # raises with its log
             raise RuntimeError("guidellm ended before sending a request")

@@ -150,11 +150,11 @@ def point_roofline(
         )
     if before and after:
         d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        steps = d.get("vlm_steps_total", 0.0)
-        fwd = d.get("vlm_step_forward_seconds_total", 0.0)
-        tokens = d.get("vlm_generation_tokens_total", 0.0) + d.get("vlm_prompt_tokens_total", 0.0)
+        steps = d.get("vlm_engine:engine_steps_total", 0.0)
+        fwd = d.get("vlm_engine:step_forward_seconds_sum", 0.0)
+        tokens = d.get("vlm_engine:generation_tokens_total", 0.0) + d.get("vlm_engine:prefill_tokens_total", 0.0)
         if steps > 0 and fwd > 0:
-            host = d.get("vlm_step_schedule_seconds_total", 0.0) + d.get("vlm_step_update_seconds_total", 0.0)
+            host = d.get("vlm_engine:step_schedule_seconds_sum", 0.0) + d.get("vlm_engine:step_update_seconds_sum", 0.0)
             lines["server"] = R.roofline_line(
                 cfg.model_dir,
                 tokens / steps,

@@ -7,9 +7,12 @@ be compared with Transformers token for token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +98,8 @@ class PromptProcessor:
         # classifier labels, computed here; the chat template is SmolLM2's own.
         self.labels_images = bool(getattr(config, "placard_labels", None))
         self._labeller: Any = None
+        # (kind, seconds) per media step since the last take_media_timings(): the server's metrics.
+        self.media_timings: list[tuple[str, float]] = []
 
     @property
     def is_multimodal(self) -> bool:
@@ -159,6 +164,18 @@ class PromptProcessor:
     def vocab_size(self) -> int:
         text_config = getattr(self.config, "text_config", None) or self.config
         return int(text_config.vocab_size)
+
+    def take_media_timings(self) -> list[tuple[str, float]]:
+        timings, self.media_timings = self.media_timings, []
+        return timings
+
+    @contextlib.contextmanager
+    def _timed(self, kind: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.media_timings.append((kind, time.perf_counter() - t0))
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -248,7 +265,8 @@ class PromptProcessor:
             if not isinstance(source, (str, Image.Image)):
                 raise PromptError(f"{where} needs an image url", param=where)
             try:
-                images.append(load_image(source, self.limits))
+                with self._timed("image_decode"):
+                    images.append(load_image(source, self.limits))
             except ValueError as exc:
                 message = getattr(exc, "message", str(exc))
                 raise PromptError(message, param=where) from exc
@@ -286,21 +304,23 @@ class PromptProcessor:
                 type(self.processor.video_processor).__name__,
             )
         try:
-            data = load_media_bytes(source, self.limits, "video")
-            return load_video(data, wanted, choose, self.video_limits, self.frame_cache, sampler_id)
+            with self._timed("video_extraction"):
+                data = load_media_bytes(source, self.limits, "video")
+                return load_video(data, wanted, choose, self.video_limits, self.frame_cache, sampler_id)
         except MediaError as exc:
             raise PromptError(f"{where}: {exc.message}", param=where) from exc
 
     def _process_multimodal(self, text: str, images: list[Image.Image], videos: list[DecodedVideo]) -> ProcessedPrompt:
         try:
-            inputs = self.processor(
-                text=[text],
-                images=images or None,
-                videos=[v.frames for v in videos] or None,
-                do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
-                return_tensors="pt",
-                **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
-            )
+            with self._timed("image_processor"):
+                inputs = self.processor(
+                    text=[text],
+                    images=images or None,
+                    videos=[v.frames for v in videos] or None,
+                    do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
+                    return_tensors="pt",
+                    **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
+                )
         except Exception as exc:
             raise PromptError(f"could not process the media: {exc}", param="messages") from exc
         token_ids = inputs["input_ids"][0].tolist()

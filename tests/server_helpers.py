@@ -18,6 +18,8 @@ import httpx
 import psutil
 from pydantic import BaseModel
 
+from vlm_engine.metrics.scrape import parse_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -91,13 +93,7 @@ class ServerProcess:
         return int(match.group(1))
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=5.0).text
-        values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.split()
-                values[name] = float(value)
-        return values
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=5.0).text)
 
     def send_signal(self, sig: int = signal.SIGTERM) -> None:
         self.child_pids |= {p.pid for p in self.children()}

@@ -407,7 +407,7 @@ def test_error_cases(server: ServerProcess, client: openai.OpenAI, media_dir: Pa
     )
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
     # Nothing leaked.
-    assert _wait_metric(server, "vlm_kv_pages_used", 0)
+    assert _wait_metric(server, "vlm_engine:kv_pages_used", 0)
 
 
 # ---- concurrency ------------------------------------------------------------------------------------
@@ -504,15 +504,15 @@ def test_disconnect_aborts_and_frees_pages(server: ServerProcess) -> None:
         seen = [line for _, line in zip(range(6), lines)]
         assert any(line.startswith("data: ") for line in seen)
         metrics = server.metrics()
-        assert metrics["vlm_kv_pages_used"] > 0 and metrics["vlm_requests_running"] == 1
+        assert metrics["vlm_engine:kv_pages_used"] > 0 and metrics["vlm_engine:num_requests_running"] == 1
     # The connection is closed: the request is aborted and its pages come back.
-    assert _wait_metric(server, "vlm_requests_running", 0)
-    assert server.metrics()["vlm_kv_pages_used"] == 0
-    assert server.metrics()["vlm_requests_inflight"] == 0
+    assert _wait_metric(server, "vlm_engine:num_requests_running", 0)
+    assert server.metrics()["vlm_engine:kv_pages_used"] == 0
+    assert server.metrics()["vlm_engine:num_requests_inflight"] == 0
 
     # A non-streaming client that hangs up is noticed too, while tokens keep arriving: the request
     # stops well before max_tokens instead of decoding to the end for nobody.
-    tokens_before = server.metrics()["vlm_generation_tokens_total"]
+    tokens_before = server.metrics()["vlm_engine:generation_tokens_total"]
     url = httpx.URL(server.base_url)
     payload = json.dumps({**body, "stream": False}).encode()
     head = (
@@ -522,33 +522,33 @@ def test_disconnect_aborts_and_frees_pages(server: ServerProcess) -> None:
     ).encode()
     with socket.create_connection((url.host, url.port)) as sock:
         sock.sendall(head + payload)
-        assert _wait_metric(server, "vlm_requests_running", 1)
-    assert _wait_metric(server, "vlm_requests_inflight", 0)
-    assert _wait_metric(server, "vlm_requests_running", 0)
-    assert server.metrics()["vlm_generation_tokens_total"] - tokens_before < body["max_tokens"]
-    assert server.metrics()["vlm_kv_pages_used"] == 0
+        assert _wait_metric(server, "vlm_engine:num_requests_running", 1)
+    assert _wait_metric(server, "vlm_engine:num_requests_inflight", 0)
+    assert _wait_metric(server, "vlm_engine:num_requests_running", 0)
+    assert server.metrics()["vlm_engine:generation_tokens_total"] - tokens_before < body["max_tokens"]
+    assert server.metrics()["vlm_engine:kv_pages_used"] == 0
 
 
 def test_metrics_endpoint(server: ServerProcess) -> None:
     text = httpx.get(server.url + "/metrics").text
-    assert "# TYPE vlm_kv_pages_used gauge" in text
+    assert "# TYPE vlm_engine:kv_pages_used gauge" in text
     metrics = server.metrics()
-    assert metrics["vlm_kv_pages_total"] == 16384 // 16 and metrics["vlm_healthy"] == 1
+    assert metrics["vlm_engine:kv_pages_total"] == 16384 // 16 and metrics["vlm_engine:healthy"] == 1
 
     # Latency histograms: one more 12-token request adds one TTFT, one e2e and one queue-time
     # sample and 11 inter-token gaps; buckets are cumulative and end at the count.
     names = {
-        "ttft": "vlm_time_to_first_token_seconds",
-        "itl": "vlm_inter_token_latency_seconds",
-        "e2e": "vlm_e2e_request_latency_seconds",
-        "queue": "vlm_request_queue_time_seconds",
+        "ttft": "vlm_engine:time_to_first_token_seconds",
+        "itl": "vlm_engine:inter_token_latency_seconds",
+        "e2e": "vlm_engine:e2e_request_latency_seconds",
+        "queue": "vlm_engine:request_queue_time_seconds",
     }
     assert all(f"# TYPE {name} histogram" in text for name in names.values())
     body = {"model": "tiny-vlm", "messages": user("Count."), "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     assert raw_post(server, "/chat/completions", body).status_code == 200
-    assert _wait_metric(server, "vlm_requests_running", 0)
+    assert _wait_metric(server, "vlm_engine:num_requests_running", 0)
     after = server.metrics()
-    assert after["vlm_generation_tokens_total"] - metrics["vlm_generation_tokens_total"] == 12
+    assert after["vlm_engine:generation_tokens_total"] - metrics["vlm_engine:generation_tokens_total"] == 12
     added = {key: after[f"{name}_count"] - metrics[f"{name}_count"] for key, name in names.items()}
     assert added == {"ttft": 1, "itl": 11, "e2e": 1, "queue": 1}
     for name in names.values():

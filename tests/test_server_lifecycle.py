@@ -196,7 +196,7 @@ def slow_image_server(delay_s: float = 60.0) -> Iterator[tuple[str, threading.Ev
 
 def _wait_inflight(srv: ServerProcess, n: int) -> None:
     deadline = time.monotonic() + 10
-    while srv.metrics()["vlm_requests_inflight"] < n:
+    while srv.metrics()["vlm_engine:num_requests_inflight"] < n:
         assert time.monotonic() < deadline, "requests were not accepted"
         time.sleep(0.02)
 

@@ -285,8 +285,8 @@ def test_bad_constraints_are_400_and_the_server_keeps_serving(server: ServerProc
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
         assert error["param"] == param and words in error["message"], (extra, error)
     after = server.metrics()
-    assert after["vlm_kv_pages_used"] == 0 and after.get("vlm_generation_tokens_total") == before.get(
-        "vlm_generation_tokens_total"
+    assert after["vlm_engine:kv_pages_used"] == 0 and after.get("vlm_engine:generation_tokens_total") == before.get(
+        "vlm_engine:generation_tokens_total"
     )
     text, finish = answer(server, {"messages": user("still there?"), "max_tokens": 8, "temperature": 0}, False)
     assert finish in ("stop", "length") and text

@@ -149,6 +149,6 @@ def test_bad_videos_are_400s_that_name_the_part_and_cost_nothing(server: ServerP
         assert error["param"] == where, (name, error)
     assert server.child_pid("preprocess-0") == worker_pid  # the worker survived every one
     metrics = server.metrics()
-    assert metrics["vlm_kv_pages_used"] == 0 and metrics["vlm_requests_inflight"] == 0
+    assert metrics["vlm_engine:kv_pages_used"] == 0 and metrics["vlm_engine:num_requests_inflight"] == 0
     good = chat(server, video_message(data_uri(make_clip(width=96, height=64, fps=10, seconds=2))))
     assert good.status_code == 200, good.text

@@ -149,6 +149,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.allowed_origins,
         help="comma-separated origins allowed by CORS ('*' for any; default: same origin only)",
     )
+    m = p.add_argument_group("observability")
+    m.add_argument("--replica-id", default=None, help="the `replica` label of every metric (default: hostname:port)")
+    m.add_argument(
+        "--disable-log-stats", action="store_true", help="no latency/step metrics and no periodic status line"
+    )
+    m.add_argument(
+        "--log-stats-interval", type=float, default=d.log_stats_interval_s, help="seconds between status lines (0: off)"
+    )
+    m.add_argument("--request-log", default=None, metavar="PATH", help="append one JSON line per finished request")
+    m.add_argument(
+        "--profile-dir", default=None, metavar="DIR", help="enable POST /start_profile, /stop_profile; traces go here"
+    )
     o = p.add_argument_group("process")
     o.add_argument(
         "--shutdown-timeout", type=float, default=d.shutdown_timeout_s, help="seconds in-flight requests get on SIGTERM"
@@ -200,6 +212,11 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        replica_id=args.replica_id,
+        log_stats=not args.disable_log_stats,
+        log_stats_interval_s=args.log_stats_interval,
+        request_log=args.request_log,
+        profile_dir=args.profile_dir,
         side_process_nice=args.side_process_nice,
         log_level=args.log_level,
     )

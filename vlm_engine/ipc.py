@@ -4,8 +4,8 @@ Wiring (ZeroMQ PUSH/PULL over `ipc://` sockets in one per-run directory; each PU
 the process that reads it, every writer connects a PUSH):
 
     api ──PreprocessRequest──> worker[i] ──EngineRequest + frames──> core
-    api ──Abort──────────────────────────────────────────────────────> core
-    core ──CoreReady / EngineOutputs──> detokenizer ──CoreReady / ApiOutputs──> api
+    api ──Abort / ProfileControl─────────────────────────────────────> core
+    core ──CoreReady / EngineOutputs / ProfileDone──> detokenizer ──CoreReady / ApiOutputs / ProfileDone──> api
     detokenizer ──Abort(stopped=True)──> core   (a stop string ended the request)
     worker ──WorkerReady / RequestError / PreprocessDone──> api
 
@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vlm_engine.metrics.histogram import REQUEST_BUCKETS, Histogram
+from vlm_engine.metrics.histogram import Histogram
 from vlm_engine.sampling_params import SamplingParams
 
 
@@ -74,6 +74,7 @@ class PreprocessRequest(Message):
     tools: Any = None  # chat: the validated OpenAI tool list the chat template renders
     mm_processor_kwargs: Any = None  # chat: video sampling overrides (fps, max_frames), checked by the worker
     worker: int = 0  # which worker got it (echoed in PreprocessDone for load balancing)
+    want_token_ids: bool = False  # echo the prompt's token ids in PreprocessDone (request log, return_token_ids)
 
 
 # ---- worker -> core --------------------------------------------------------------------------------
@@ -112,6 +113,13 @@ class Abort(Message):
     stopped: bool = False
 
 
+class ProfileControl(Message):
+    """api -> core: start or stop the torch profiler (only sent when the server has --profile-dir)."""
+
+    start: bool
+    directory: str
+
+
 # ---- core -> detokenizer ---------------------------------------------------------------------------
 
 
@@ -138,6 +146,17 @@ class SampledLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
+class RequestTiming(msgspec.Struct, array_like=True):
+    """The engine core's view of one request, in time.monotonic() seconds (CLOCK_MONOTONIC is
+    system-wide on Linux, so the API process can subtract its own readings from these)."""
+
+    arrival: float  # entered the core's queue (preprocessing done)
+    first_scheduled: float | None
+    first_token: float | None
+    finished: float | None = None
+    preemptions: int = 0
+
+
 class TokenOutput(msgspec.Struct, array_like=True):
     request_id: str
     new_token_ids: list[int]
@@ -146,25 +165,49 @@ class TokenOutput(msgspec.Struct, array_like=True):
     stop_token_id: int | None = None  # the EOS / stop token that ended it (not shown as text)
     cached_tokens: int = 0
     logprobs: list[SampledLogprob] | None = None
+    timing: RequestTiming | None = None  # on a request's first token and on its finish
+
+
+# Per-step histogram bounds: seconds, and token / sequence counts.
+STEP_SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+STEP_TOKENS_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _step_seconds() -> Histogram:
+    return Histogram.with_bounds(STEP_SECONDS_BUCKETS)
+
+
+def _step_tokens() -> Histogram:
+    return Histogram.with_bounds(STEP_TOKENS_BUCKETS)
 
 
 class CoreStats(msgspec.Struct, array_like=True):
+    """The engine core's gauges and cumulative counters, sent whole with every flush: the API
+    process exports the latest copy, so a lost or merged message never skews a counter."""
+
     pages_used: int = 0
     pages_total: int = 0
     pages_cached: int = 0
     running: int = 0
     waiting: int = 0
     steps: int = 0
-    prompt_tokens: int = 0  # cumulative tokens run through prefill (after prefix-cache hits)
+    prompt_tokens: int = 0  # prompt tokens of admitted requests, prefix-cache hits included
+    prefill_tokens: int = 0  # tokens run through prefill (recomputation after preemption included)
     generation_tokens: int = 0
-    cached_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache, at first admission
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    mm_cache_queries: int = 0  # media items looked up in the vision-encoder cache
+    mm_cache_hits: int = 0
     preemptions: int = 0
-    schedule_s: float = 0.0  # cumulative host time in schedule()
-    forward_s: float = 0.0
-    update_s: float = 0.0
     grammar_mask_s: float = 0.0  # cumulative host time building grammar masks (overlapped with forward)
-    # Arrival in the core's queue (after preprocessing) to first scheduled, per engine request.
-    queue_time: Histogram = msgspec.field(default_factory=lambda: Histogram.with_bounds(REQUEST_BUCKETS))
+    # Per step: where the time went, and what the batch held.
+    step_schedule_s: Histogram = msgspec.field(default_factory=_step_seconds)
+    step_forward_s: Histogram = msgspec.field(default_factory=_step_seconds)
+    step_update_s: Histogram = msgspec.field(default_factory=_step_seconds)
+    step_batch_size: Histogram = msgspec.field(default_factory=_step_tokens)
+    step_prefill_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
+    step_cached_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
+    step_decode_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
 
 
 class RequestError(Message):
@@ -185,6 +228,7 @@ class EngineOutputs(Message):
     outputs: list[TokenOutput] = []
     errors: list[RequestError] = []
     stats: CoreStats | None = None
+    sent: float = 0.0  # time.monotonic() when the core sent it (a stop string's finish time)
 
 
 # ---- detokenizer / workers -> api ------------------------------------------------------------------
@@ -212,6 +256,8 @@ class Delta(msgspec.Struct, array_like=True):
     cached_tokens: int
     completion_tokens: int  # so far, including tokens whose text is still held back
     logprobs: list[LogprobEntry] | None = None
+    token_ids: list[int] = []  # the tokens counted in completion_tokens since the last delta
+    timing: RequestTiming | None = None  # the core's timestamps, on the finishing delta
 
 
 class ApiOutputs(Message):
@@ -225,13 +271,36 @@ class WorkerReady(Message):
     pid: int
 
 
+class MediaTiming(msgspec.Struct, array_like=True):
+    kind: str  # "image_decode" | "video_extraction" | "image_processor"
+    seconds: float
+
+
 class PreprocessDone(Message):
+    """A worker finished a prompt (sent before its engine requests leave for the core)."""
+
     worker: int
+    request_id: str = ""
+    first_index: int = 0
+    n: int = 0
+    seconds: float = 0.0  # the whole prompt: template, tokenization, media
+    done_at: float = 0.0  # time.monotonic() when it finished
+    media: list[MediaTiming] = []
+    media_hashes: list[str] = []  # content hashes (hex) of the prompt's images and videos
+    prompt_token_ids: list[int] | None = None  # when the request asked (want_token_ids)
 
 
-CoreInbound = EngineRequest | Abort
-DetokInbound = CoreReady | EngineOutputs
-ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | RequestError
+class ProfileDone(Message):
+    """core -> detokenizer -> api: the profiler stopped (trace written to `path`) or started."""
+
+    started: bool
+    path: str | None = None
+    error: str | None = None
+
+
+CoreInbound = EngineRequest | Abort | ProfileControl
+DetokInbound = CoreReady | EngineOutputs | ProfileDone
+ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | RequestError | ProfileDone
 WorkerInbound = PreprocessRequest
 
 

@@ -16,6 +16,9 @@ class EncoderCache:
         self.max_bytes = max_bytes
         self.used_bytes = 0
         self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.hits = 0
         self.misses = 0
 

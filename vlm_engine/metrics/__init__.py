@@ -1,1 +1,1 @@
-"""Latency metrics: Prometheus-style histograms and the per-request latencies the server exports."""
+"""Metrics: core-side histograms that travel between processes, the per-request tracker, the request log, the status line and the profiler."""

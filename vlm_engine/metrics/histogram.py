@@ -1,5 +1,6 @@
-"""A Prometheus histogram that travels between processes (a msgspec struct), with the latency
-bucket bounds the server uses (close to vLLM's, so dashboards built for it read ours alike)."""
+"""A histogram that travels between processes (a msgspec struct): the engine core fills it, the
+API process exports it through prometheus_client. Also the latency bucket bounds the server uses
+(close to vLLM's, so dashboards built for it read ours alike)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,3 @@ class Histogram(msgspec.Struct, array_like=True):
         """Record `value` `times` times (e.g. one inter-token gap per token a chunk delivered)."""
         self.counts[bisect.bisect_left(self.bounds, value)] += times
         self.total += value * times
-
-    def prometheus_lines(self, name: str, help_text: str) -> list[str]:
-        lines = [f"# HELP {name} {help_text}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip(self.bounds, self.counts):
-            cumulative += n
-            lines.append(f'{name}_bucket{{le="{bound}"}} {cumulative}')
-        cumulative += self.counts[-1]
-        lines += [f'{name}_bucket{{le="+Inf"}} {cumulative}', f"{name}_sum {self.total}", f"{name}_count {cumulative}"]
-        return lines

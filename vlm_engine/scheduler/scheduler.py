@@ -58,6 +58,7 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     schedule_time_s: float = 0.0
+    num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
 
     @property
     def num_tokens(self) -> int:
@@ -76,7 +77,15 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
         self.num_preemptions = 0
+        # Prefix-cache accounting, once per request at its first admission (a retry after a
+        # failed admission or a preemption looks the prefix up again but is not counted again).
+        self.num_prompt_tokens = 0  # prompt tokens of admitted requests
+        self.num_prefix_queries = 0  # of those, tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # tokens found there
 
     # ---- admission / removal -------------------------------------------------------------
 
@@ -173,10 +182,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
+                self._count_admission(request, out)
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
         return budget
+
+    def _count_admission(self, request: Request, out: SchedulerOutput) -> None:
+        self.num_prompt_tokens += request.num_prompt_tokens
+        if self.pool.enable_prefix_cache:
+            self.num_prefix_queries += request.num_prompt_tokens
+            self.num_prefix_hits += request.num_cached_tokens
+        out.num_cached_tokens += request.num_cached_tokens
 
     def _match_prefix(self, request: Request) -> None:
         # Keep at least one token to compute: its logits give the next token.

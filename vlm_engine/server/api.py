@@ -14,12 +14,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlm_engine import ipc
@@ -27,7 +29,7 @@ from vlm_engine.server import protocol as P
 from vlm_engine.server.apps import mount_app
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient, RequestHandle
-from vlm_engine.server.metrics import render_metrics
+from vlm_engine.server.metrics import ServerMetrics
 from vlm_engine.server.tool_parsers import ToolOutput
 
 logger = logging.getLogger(__name__)
@@ -35,12 +37,14 @@ logger = logging.getLogger(__name__)
 _json = msgspec.json.Encoder()
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
+_STATIC = Path(__file__).parent / "static"  # the operator dashboard page
 
 
 @dataclass
 class ServerState:
     config: ServerConfig
     client: EngineClient
+    metrics: ServerMetrics | None = None  # set by the launcher (see server.metrics.observe_requests)
     created: int = field(default_factory=P.now)
     draining: bool = False
     failure: str | None = None  # set when a child process died
@@ -80,10 +84,12 @@ class _Choice:
     cached_tokens: int = 0
     completion_tokens: int = 0
     text_len: int = 0  # characters already sent (completions' logprob text offsets)
+    token_ids: list[int] = field(default_factory=list)
 
     def add(self, delta: ipc.Delta) -> None:
         if delta.text:
             self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         if delta.finished:
@@ -207,7 +213,11 @@ class Generation:
                     message, reason = tools.message(text, reason)
                 logprobs = P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None
                 choices.append(P.chat_choice(i, text, reason, logprobs, message))
+                if self.parsed.return_token_ids:
+                    choices[-1]["token_ids"] = c.token_ids
             body = P.chat_completion(self.request_id, self.created, self.model, choices, usage)
+            if self.parsed.return_token_ids:
+                body["prompt_token_ids"] = self.handle.prompt_token_ids.get(0)
         else:
             choices = [
                 P.completion_choice(
@@ -218,6 +228,10 @@ class Generation:
                 )
                 for i, c in enumerate(self.choices)
             ]
+            if self.parsed.return_token_ids:
+                for i, (choice, c) in enumerate(zip(choices, self.choices)):
+                    choice["prompt_token_ids"] = self.handle.prompt_token_ids.get(i)
+                    choice["token_ids"] = c.token_ids
             body = P.completion(self.request_id, self.created, self.model, choices, usage)
         return Response(_json.encode(body), media_type="application/json")
 
@@ -245,9 +259,12 @@ class Generation:
             index = self.handle.index_of(item.request_id)
             prev = merged.get(index)
             if prev is None:
-                merged[index] = msgspec.structs.replace(item, logprobs=list(item.logprobs) if item.logprobs else None)
+                merged[index] = msgspec.structs.replace(
+                    item, logprobs=list(item.logprobs) if item.logprobs else None, token_ids=list(item.token_ids)
+                )
             else:
                 prev.text += item.text
+                prev.token_ids += item.token_ids
                 if item.logprobs:
                     prev.logprobs = (prev.logprobs or []) + item.logprobs
                 prev.finished, prev.finish_reason = item.finished, item.finish_reason
@@ -263,21 +280,20 @@ class Generation:
         try:
             if p.kind == "chat":
                 role = {"role": "assistant", "content": "", "refusal": None}
-                yield b"".join(
-                    _sse(
-                        P.chat_chunk(
-                            self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage
-                        )
-                    )
+                chunks = [
+                    P.chat_chunk(self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage)
                     for i in range(p.num_choices)
-                )
+                ]
+                if p.return_token_ids:  # as vLLM: the prompt's ids ride on the first chunk
+                    chunks[0]["prompt_token_ids"] = self.handle.prompt_token_ids.get(0)
+                yield b"".join(_sse(chunk) for chunk in chunks)
             async for batch in self._batches(first):
                 merged, error = self._merge(batch)
                 # Skip deltas with nothing to show yet (text held back: partial stop string / UTF-8).
                 out = [
                     _sse(chunk)
                     for index, d in merged.items()
-                    if d.text or d.finished or d.logprobs
+                    if d.text or d.finished or d.logprobs or (p.return_token_ids and d.token_ids)
                     for chunk in self._delta_chunks(index, d, with_usage)
                 ]
                 if error is not None:
@@ -316,8 +332,13 @@ class Generation:
                 P.chat_chunk_choice(index, delta, finish if k == last else None, logprobs if k == 0 else None)
                 for k, delta in enumerate(deltas)
             ]
+            if p.return_token_ids:
+                choices[0]["token_ids"] = d.token_ids
             return [P.chat_chunk(self.request_id, self.created, self.model, [c], usage, with_usage) for c in choices]
-        return [self._completion_chunk(index, d, finish, usage, with_usage)]
+        chunk = self._completion_chunk(index, d, finish, usage, with_usage)
+        if p.return_token_ids:
+            chunk["choices"][0]["token_ids"] = d.token_ids
+        return [chunk]
 
     def _completion_chunk(self, index: int, d: Any, finish: str | None, usage: Any, with_usage: bool) -> dict[str, Any]:
         p = self.parsed
@@ -426,6 +447,35 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(render_metrics(state), media_type="text/plain; version=0.0.4")
+        assert state.metrics is not None
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if config.profile_dir is not None:  # as vLLM: the routes exist only when profiling is configured
+
+        @app.post("/start_profile")
+        async def start_profile(request: Request) -> Response:
+            return await profile(request, start=True)
+
+        @app.post("/stop_profile")
+        async def stop_profile(request: Request) -> Response:
+            return await profile(request, start=False)
+
+    async def profile(request: Request, start: bool) -> Response:
+        check_auth(request)
+        assert config.profile_dir is not None
+        try:
+            done = await client.profile(start, config.profile_dir)
+        except RuntimeError as exc:
+            raise P.ApiError(409, str(exc)) from None
+        except TimeoutError:
+            raise P.ApiError(504, "the engine core did not answer the profiler request", type="server_error") from None
+        if done.error is not None:
+            raise P.ApiError(409, done.error)
+        return JSONResponse({"status": "started"} if start else {"status": "stopped", "trace": done.path})
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        # Read per request (a few KB): the page can be edited without restarting the server.
+        return Response((_STATIC / "dashboard.html").read_bytes(), media_type="text/html; charset=utf-8")
 
     return app

@@ -54,6 +54,13 @@ class ServerConfig:
     app: str | None = None
     allowed_origins: tuple[str, ...] = ()
 
+    # Observability (docs/ARCHITECTURE.md, "Observability").
+    replica_id: str | None = None  # the `replica` label of every metric; None: hostname:port
+    log_stats: bool = True  # metrics, per-step histograms and the status line (--disable-log-stats: off)
+    log_stats_interval_s: float = 10.0  # the periodic status line; 0: never
+    request_log: str | None = None  # a JSON-lines file: one line per finished request, token ids included
+    profile_dir: str | None = None  # enables POST /start_profile and /stop_profile (torch profiler traces)
+
     # Process behaviour.
     shutdown_timeout_s: float = 5.0  # grace for in-flight requests on SIGTERM before they are aborted
     # API, preprocess and detokenizer yield the cores to the engine core. Measured (SmolLM2, 2 cores,
@@ -71,6 +78,8 @@ class ServerConfig:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.limit_mm_per_prompt < 0 or self.limit_videos_per_prompt < 0:
             raise ValueError("limit_mm_per_prompt must be >= 0 for every modality")
+        if self.log_stats_interval_s < 0:
+            raise ValueError("log_stats_interval_s must be >= 0")
         if not self.video_fps > 0 or self.video_max_frames < 1:
             raise ValueError("video_fps must be positive and video_max_frames at least 1")
         from vlm_engine.server.apps import APPS
@@ -85,6 +94,12 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def replica(self) -> str:
+        import socket
+
+        return self.replica_id or f"{socket.gethostname()}:{self.port}"
 
     def engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {

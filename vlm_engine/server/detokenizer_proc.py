@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import zmq
 
 from vlm_engine import ipc
@@ -44,6 +45,7 @@ class _Stream:
     params: ipc.DetokParams
     completion_tokens: int = 0
     done: bool = False  # a stop string ended it here; waiting for the core's final output
+    timing: ipc.RequestTiming | None = None  # the core's, from the first token on
 
 
 class Detokenizer:
@@ -61,14 +63,14 @@ class Detokenizer:
         deltas: list[ipc.Delta] = []
         stopped: list[str] = []
         for out in msg.outputs:
-            delta = self._on_output(out, stopped)
+            delta = self._on_output(out, stopped, msg.sent)
             if delta is not None:
                 deltas.append(delta)
         for err in msg.errors:
             self.streams.pop(err.request_id, None)
         return ipc.ApiOutputs(deltas=deltas, errors=msg.errors, stats=msg.stats), stopped
 
-    def _on_output(self, out: ipc.TokenOutput, stopped: list[str]) -> ipc.Delta | None:
+    def _on_output(self, out: ipc.TokenOutput, stopped: list[str], sent: float) -> ipc.Delta | None:
         stream = self.streams.get(out.request_id)
         if stream is None:
             return None
@@ -76,6 +78,8 @@ class Detokenizer:
             if out.finished:
                 del self.streams[out.request_id]
             return None
+        if out.timing is not None:
+            stream.timing = out.timing
         ids = out.new_token_ids
         text_ids = ids
         if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
@@ -87,6 +91,8 @@ class Detokenizer:
             if not finished:
                 stopped.append(out.request_id)
                 stream.done = True
+                if stream.timing is not None:  # finished here, when the core sent this token
+                    stream.timing = msgspec.structs.replace(stream.timing, finished=sent)
             finished, reason = True, "stop"
         if finished and not stream.done:
             del self.streams[out.request_id]
@@ -99,6 +105,8 @@ class Detokenizer:
             cached_tokens=out.cached_tokens,
             completion_tokens=stream.completion_tokens,
             logprobs=self._logprobs(out.logprobs) if out.logprobs else None,
+            token_ids=ids,
+            timing=stream.timing if finished else None,
         )
 
     def _logprobs(self, sampled: list[ipc.SampledLogprob]) -> list[ipc.LogprobEntry]:
@@ -155,7 +163,7 @@ class DetokenizerProcess:
                 except zmq.Again:
                     break
                 msg, _ = self.decoder.decode(parts)
-                if isinstance(msg, ipc.CoreReady):
+                if isinstance(msg, (ipc.CoreReady, ipc.ProfileDone)):
                     self.to_api.send_multipart(ipc.encode(msg))
                     continue
                 out, stop_ids = self.logic.process(msg)

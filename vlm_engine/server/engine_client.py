@@ -17,7 +17,7 @@ import zmq
 import zmq.asyncio
 
 from vlm_engine import ipc
-from vlm_engine.metrics.latency import RequestLatencies
+from vlm_engine.metrics.request_tracker import RequestTracker
 from vlm_engine.server.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -30,13 +30,14 @@ class RequestHandle:
     request_id: str
     engine_ids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)  # by choice, when asked for
 
     def index_of(self, engine_id: str) -> int:
         return int(engine_id.rsplit("-", 1)[1])
 
 
 class EngineClient:
-    def __init__(self, paths: ipc.IpcPaths, num_workers: int) -> None:
+    def __init__(self, paths: ipc.IpcPaths, num_workers: int, tracker: RequestTracker | None = None) -> None:
         self.paths = paths
         self.num_workers = num_workers
         self._sync_ctx = zmq.Context()
@@ -52,7 +53,8 @@ class EngineClient:
         self.core_info: ipc.CoreReady | None = None
         self.ready_workers: set[int] = set()
         self.stats = ipc.CoreStats()
-        self.latencies = RequestLatencies()
+        self.tracker = tracker or RequestTracker()
+        self.profile_waiter: asyncio.Future | None = None  # a /start_profile or /stop_profile call
         self._receiver: asyncio.Task | None = None
 
     def _push(self, address: str) -> zmq.Socket:
@@ -94,7 +96,8 @@ class EngineClient:
         handle = RequestHandle(request_id, ids)
         for rid in ids:
             self.routes[rid] = handle
-            self.latencies.start(rid)
+            self.tracker.start(rid)
+        want_token_ids = request.return_token_ids or self.tracker.keep_token_ids
         for p, prompt in enumerate(request.prompts):
             worker = min(range(self.num_workers), key=self.outstanding.__getitem__)
             self.outstanding[worker] += 1
@@ -108,6 +111,7 @@ class EngineClient:
                 tools=request.tools,
                 mm_processor_kwargs=request.mm_processor_kwargs,
                 worker=worker,
+                want_token_ids=want_token_ids,
             )
             self.to_workers[worker].send_multipart(ipc.encode(msg))
         return handle
@@ -116,7 +120,7 @@ class EngineClient:
         """Forget the ids here and ask the core to drop them (non-blocking; safe during cancellation)."""
         live = [rid for rid in engine_ids if self.routes.pop(rid, None) is not None]
         for rid in engine_ids:
-            self.latencies.drop(rid)
+            self.tracker.on_abort(rid)
         if live:
             self.to_core.send_multipart(ipc.encode(ipc.Abort(live)))
 
@@ -125,8 +129,9 @@ class EngineClient:
         ids = list(self.routes)
         for rid in ids:
             handle = self.routes.pop(rid)
-            self.latencies.drop(rid)
-            handle.queue.put_nowait(ipc.RequestError(rid, status, message, type))
+            err = ipc.RequestError(rid, status, message, type)
+            self.tracker.on_error(err)
+            handle.queue.put_nowait(err)
         if ids:
             try:
                 self.to_core.send_multipart(ipc.encode(ipc.Abort(ids)), zmq.NOBLOCK)
@@ -134,6 +139,17 @@ class EngineClient:
                 pass
 
     # ---- results -------------------------------------------------------------------------------
+
+    async def profile(self, start: bool, directory: str, timeout_s: float = 120.0) -> ipc.ProfileDone:
+        """Ask the engine core to start or stop its profiler; waits for its answer."""
+        if self.profile_waiter is not None and not self.profile_waiter.done():
+            raise RuntimeError("a profiler request is already pending")
+        self.profile_waiter = asyncio.get_running_loop().create_future()
+        self.to_core.send_multipart(ipc.encode(ipc.ProfileControl(start, directory)))
+        try:
+            return await asyncio.wait_for(self.profile_waiter, timeout_s)
+        finally:
+            self.profile_waiter = None
 
     async def _receive_loop(self) -> None:
         while True:
@@ -149,7 +165,7 @@ class EngineClient:
             for delta in msg.deltas:
                 handle = self.routes.get(delta.request_id)
                 if handle is not None:
-                    self.latencies.on_result(delta.request_id, delta.completion_tokens, delta.finished)
+                    self.tracker.on_delta(delta)
                     handle.queue.put_nowait(delta)
                     if delta.finished:
                         del self.routes[delta.request_id]
@@ -161,6 +177,15 @@ class EngineClient:
             self._route_error(msg)
         elif isinstance(msg, ipc.PreprocessDone):
             self.outstanding[msg.worker] = max(0, self.outstanding[msg.worker] - 1)
+            self.tracker.on_preprocessed(msg)
+            if msg.prompt_token_ids is not None:
+                handle = self.routes.get(f"{msg.request_id}-{msg.first_index}")
+                if handle is not None:
+                    for i in range(msg.first_index, msg.first_index + msg.n):
+                        handle.prompt_token_ids[i] = msg.prompt_token_ids
+        elif isinstance(msg, ipc.ProfileDone):
+            if self.profile_waiter is not None and not self.profile_waiter.done():
+                self.profile_waiter.set_result(msg)
         elif isinstance(msg, ipc.CoreReady):
             self.core_info = msg
             self.stats = ipc.CoreStats(pages_total=msg.num_pages)
@@ -169,7 +194,7 @@ class EngineClient:
             self.ready_workers.add(msg.worker)
 
     def _route_error(self, err: ipc.RequestError) -> None:
-        self.latencies.drop(err.request_id)
+        self.tracker.on_error(err)
         handle = self.routes.pop(err.request_id, None)
         if handle is not None:
             handle.queue.put_nowait(err)

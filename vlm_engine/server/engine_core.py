@@ -25,6 +25,7 @@ from vlm_engine import ipc
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.engine import Engine, StepFailed
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
+from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import RequestRejected, RequestStatus
 from vlm_engine.server.config import ServerConfig
@@ -42,6 +43,16 @@ def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     init_child("vlm-core", config.log_level, side=False)
     core = EngineCore(config, paths)
     serve_forever("engine core", core.run, core.close)
+
+
+def _timing(request: Any) -> ipc.RequestTiming:
+    return ipc.RequestTiming(
+        request.arrival_time,
+        request.first_scheduled_time,
+        request.first_token_time,
+        request.finished_time,
+        request.num_preemptions,
+    )
 
 
 def build_prompt(msg: ipc.EngineRequest, frames: list[Any]) -> ProcessedPrompt:
@@ -78,6 +89,7 @@ class EngineCore:
         self.outbox.connect(paths.detokenizer)
         self.decoder = ipc.Decoder(ipc.CoreInbound)
         self.tombstones: OrderedDict[str, None] = OrderedDict()
+        self.profiler = TorchProfiler("engine-core")
         self.stats = ipc.CoreStats(pages_total=self.pool.num_pages)
         self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])
         self._dirty = False
@@ -102,6 +114,8 @@ class EngineCore:
         # pay it now, not inside the step loop when the first constrained request arrives.
         self.engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, json_schema={"type": "object"}))
         self.pool.reset_prefix_cache()
+        self.scheduler.reset_counters()  # the metrics start at the first client request
+        self.engine.runner.encoder_cache.reset_counters()
         logger.info("warm-up took %.2f s", time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -135,6 +149,8 @@ class EngineCore:
                 continue
             if isinstance(msg, ipc.EngineRequest):
                 self._add(msg, frames)
+            elif isinstance(msg, ipc.ProfileControl):
+                self._profile(msg)
             else:
                 self._abort(msg)
             self._dirty = True
@@ -174,15 +190,29 @@ class EngineCore:
                 continue
             self.scheduler.finish(request, status)
             self._pending.outputs.append(
-                ipc.TokenOutput(rid, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens)
+                ipc.TokenOutput(
+                    rid, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens, timing=_timing(request)
+                )
             )
+
+    def _profile(self, msg: ipc.ProfileControl) -> None:
+        """Start or stop a torch profiler trace of this process (CPU activities; CUDA when present)."""
+        try:
+            if msg.start:
+                self.profiler.start(msg.directory)
+                done = ipc.ProfileDone(started=True)
+            else:
+                done = ipc.ProfileDone(started=False, path=self.profiler.stop())
+        except (RuntimeError, OSError) as exc:  # start while running, stop while stopped, an unwritable dir
+            done = ipc.ProfileDone(started=msg.start, error=str(exc))
+        self.outbox.send_multipart(ipc.encode(done))
 
     # ---- one step ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        scheduled_after = time.monotonic()
         try:
-            step = self.engine.step_tokens()
+            with self.profiler.range("engine_step"):
+                step = self.engine.step_tokens()
         except StepFailed as failed:
             logger.exception("forward pass failed for %d requests", len(failed.plan.chunks))
             self._fail_batch(failed.plan, failed.__cause__ or failed)
@@ -209,22 +239,24 @@ class EngineCore:
                     request.stop_token_id if finished else None,
                     request.num_cached_tokens,
                     logprobs,
+                    _timing(request) if finished or request.num_output_tokens == 1 else None,
                 )
             )
         decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
         s = self.stats
         s.steps += 1
         s.generation_tokens += len(step.tokens)
-        s.prompt_tokens += plan.num_tokens - decodes
+        s.prefill_tokens += plan.num_tokens - decodes
         s.preemptions += len(plan.preempted)
-        s.schedule_s += step.stats.schedule_s
-        s.forward_s += step.stats.forward_s
-        s.update_s += step.stats.update_s + time.perf_counter() - t0
         s.grammar_mask_s += step.stats.mask_s
-        for chunk in plan.chunks:  # requests scheduled for the first time in this step
-            first = chunk.request.first_scheduled_time
-            if first is not None and first >= scheduled_after:
-                s.queue_time.observe(first - chunk.request.arrival_time)
+        if self.config.log_stats:
+            s.step_schedule_s.observe(step.stats.schedule_s)
+            s.step_forward_s.observe(step.stats.forward_s)
+            s.step_update_s.observe(step.stats.update_s + time.perf_counter() - t0)
+            s.step_batch_size.observe(len(plan.chunks))
+            s.step_prefill_tokens.observe(plan.num_tokens - decodes)
+            s.step_cached_tokens.observe(plan.num_cached_tokens)
+            s.step_decode_tokens.observe(decodes)
         self._dirty = True
 
     def _fail_batch(self, plan: Any, exc: Exception) -> None:
@@ -245,8 +277,14 @@ class EngineCore:
         s.pages_cached = self.pool.num_cached
         s.running = len(self.scheduler.running)
         s.waiting = len(self.scheduler.waiting)
-        s.cached_prompt_tokens = self.pool.hits * self.pool.page_size
+        sched, encoder_cache = self.scheduler, self.engine.runner.encoder_cache
+        s.prompt_tokens = sched.num_prompt_tokens
+        s.prefix_cache_queries = sched.num_prefix_queries
+        s.cached_prompt_tokens = sched.num_prefix_hits
+        s.mm_cache_hits = encoder_cache.hits
+        s.mm_cache_queries = encoder_cache.hits + encoder_cache.misses
         self._pending.stats = s
+        self._pending.sent = time.monotonic()
         self.outbox.send_multipart(ipc.encode(self._pending), copy=False)
         self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])
         self._dirty = False

@@ -34,9 +34,11 @@ from typing import Any
 import uvicorn
 
 from vlm_engine import ipc
+from vlm_engine.metrics.status_log import StatusLine
 from vlm_engine.server.api import ServerState, build_app
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient
+from vlm_engine.server.metrics import observe_requests
 from vlm_engine.server.procs import ChildGroup, lower_priority, set_process_name, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -147,10 +149,20 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
             return
 
 
+async def _status_log(client: EngineClient, interval_s: float) -> None:
+    status = StatusLine()
+    while True:
+        line = status.line(client.stats, client.num_inflight, time.monotonic())
+        if line is not None:
+            logger.info(line)
+        await asyncio.sleep(interval_s)
+
+
 async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: ChildGroup) -> int:
     client = EngineClient(paths, config.preprocess_workers)
     client.start()
     state = ServerState(config, client)
+    observe_requests(state)
     uv_config = uvicorn.Config(
         build_app(state),
         host=config.host,
@@ -161,10 +173,14 @@ async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: Child
         timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 2,
     )
     server = _Server(uv_config, state, config.shutdown_timeout_s)
-    watchdog = asyncio.get_running_loop().create_task(_watch(children, server))
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_watch(children, server))]
+    if config.log_stats and config.log_stats_interval_s > 0:
+        tasks.append(loop.create_task(_status_log(client, config.log_stats_interval_s)))
     try:
         await server.serve()
     finally:
-        watchdog.cancel()
+        for task in tasks:
+            task.cancel()
         client.close()
     return server.exit_code

@@ -1,71 +1,223 @@
-"""`GET /metrics` in the Prometheus text format: the engine core's latest published stats (counters,
-gauges, the queue-time histogram) and the API process's own latency histograms (TTFT, ITL, e2e)."""
+"""`GET /metrics`: Prometheus metrics through prometheus_client, named as vLLM's dashboards expect
+(`vlm_engine:` instead of `vllm:`), every sample labelled with `model_name` and `replica`.
+
+Two sources, one registry owned by the API process:
+- per-request histograms and counters observed here (`ServerMetrics` is a `RecordSink` of the
+  request tracker): TTFT, inter-token latency, end-to-end, queue / prefill / decode / preprocess
+  time, prompt and generation lengths, media preprocessing seconds by kind, finishes and errors;
+- the engine core's gauges, counters and per-step histograms, which the core sends whole
+  (cumulative) with every result message: `_CoreCollector` exposes the latest copy, so counters
+  stay exact across processes without prometheus_client's multiprocess files.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
-# (name, type, help, value getter)
-_METRICS: list[tuple[str, str, str, Any]] = [
-    ("vlm_kv_pages_used", "gauge", "KV cache pages held by requests", lambda s, c: s.pages_used),
-    ("vlm_kv_pages_total", "gauge", "KV cache pages in the pool", lambda s, c: s.pages_total),
-    ("vlm_kv_pages_cached", "gauge", "KV pages holding a reusable prefix", lambda s, c: s.pages_cached),
-    ("vlm_requests_running", "gauge", "Requests in the running batch", lambda s, c: s.running),
-    ("vlm_requests_waiting", "gauge", "Requests queued in the engine core", lambda s, c: s.waiting),
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from vlm_engine import ipc
+from vlm_engine.metrics import histogram as H
+from vlm_engine.metrics.request_tracker import RequestRecord
+
+disable_created_metrics()  # no `_created` series: dashboards never use them (vLLM does the same)
+
+PREFIX = "vlm_engine:"
+LABELS = ("model_name", "replica")
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+MEDIA_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, replica: str, core_stats: Callable[[], ipc.CoreStats],
+                 gauges: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+        self.registry = CollectorRegistry()
+        self.label_values = (model_name, replica)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=self.registry).labels(
+                *self.label_values
+            )
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Request accepted to first token, as the API saw it", H.TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between output tokens, as the API saw it", H.ITL_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Request accepted to last token", H.REQUEST_BUCKETS)
+        self.queue = histogram(
+            "request_queue_time_seconds", "In the engine core's queue before first scheduled", H.REQUEST_BUCKETS
+        )
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token", H.REQUEST_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First token to finish", H.REQUEST_BUCKETS)
+        self.preprocess = histogram(
+            "request_preprocess_time_seconds",
+            "In a preprocess worker: template, tokenization, media",
+            H.REQUEST_BUCKETS,
+        )
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests", TOKEN_BUCKETS)
+        self.generation_tokens = histogram(
+            "request_generation_tokens", "Output length of finished requests", TOKEN_BUCKETS
+        )
+        self.media = Histogram(
+            PREFIX + "media_preprocess_seconds",
+            "Media preprocessing by kind: image_decode, video_extraction, image_processor (resize/normalize)",
+            (*LABELS, "kind"),
+            buckets=MEDIA_BUCKETS,
+            registry=self.registry,
+        )
+        self.success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by finish reason",
+            (*LABELS, "finished_reason"),
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            PREFIX + "request_errors",
+            "Requests answered with an error, by HTTP status",
+            (*LABELS, "status"),
+            registry=self.registry,
+        )
+        self.registry.register(_CoreCollector(self.label_values, core_stats, gauges))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- RecordSink ---------------------------------------------------------------------------
+
+    def on_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_token_gap(self, gap_s: float, times: int) -> None:
+        for _ in range(times):
+            self.itl.observe(gap_s)
+
+    def on_preprocessed(self, done: ipc.PreprocessDone) -> None:
+        self.preprocess.observe(done.seconds)
+        for m in done.media:
+            self.media.labels(*self.label_values, m.kind).observe(m.seconds)
+
+    def on_finished(self, record: RequestRecord) -> None:
+        if record.error is not None:
+            self.errors.labels(*self.label_values, str(record.error.status)).inc()
+            return
+        self.success.labels(*self.label_values, record.finish_reason or "abort").inc()
+        if record.completion_tokens == 0:
+            return
+        self.e2e.observe(record.finished - record.arrival)  # type: ignore[operator]
+        self.prompt_tokens.observe(record.prompt_tokens)
+        self.generation_tokens.observe(record.completion_tokens)
+        t = record.timing
+        if t is not None and t.first_scheduled is not None and t.first_token is not None:
+            self.queue.observe(t.first_scheduled - t.arrival)
+            self.prefill.observe(t.first_token - t.first_scheduled)
+            if t.finished is not None:
+                self.decode.observe(t.finished - t.first_token)
+
+
+# (name, help, CoreStats field) for the core's gauges, counters and per-step histograms.
+_CORE_GAUGES = [
+    ("num_requests_running", "Requests in the running batch", "running"),
+    ("num_requests_waiting", "Requests queued in the engine core", "waiting"),
+    ("kv_pages_used", "KV cache pages held by requests", "pages_used"),
+    ("kv_pages_total", "KV cache pages in the pool", "pages_total"),
+    ("kv_pages_cached", "KV pages holding a reusable prefix", "pages_cached"),
+]
+_CORE_COUNTERS = [
+    ("prompt_tokens", "Prompt tokens of admitted requests (prefix-cache hits included)", "prompt_tokens"),
+    ("prefill_tokens", "Tokens run through prefill (recomputation after preemption included)", "prefill_tokens"),
+    ("generation_tokens", "Tokens sampled", "generation_tokens"),
+    ("cached_prompt_tokens", "Prompt tokens served from the prefix cache", "cached_prompt_tokens"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache", "cached_prompt_tokens"),
+    ("mm_cache_queries", "Media items looked up in the vision-encoder cache", "mm_cache_queries"),
+    ("mm_cache_hits", "Media items found in the vision-encoder cache", "mm_cache_hits"),
+    ("num_preemptions", "Requests preempted for lack of KV pages", "preemptions"),
+    ("engine_steps", "Engine steps run", "steps"),
     (
-        "vlm_requests_inflight",
-        "gauge",
-        "Engine requests accepted by the API and not finished",
-        lambda s, c: c.num_inflight,
+        "grammar_mask_seconds",
+        "Host time building structured-output token masks (overlapped with the forward)",
+        "grammar_mask_s",
     ),
-    ("vlm_steps_total", "counter", "Engine steps run", lambda s, c: s.steps),
-    (
-        "vlm_prompt_tokens_total",
-        "counter",
-        "Prompt tokens computed (prefix-cache hits excluded)",
-        lambda s, c: s.prompt_tokens,
-    ),
-    ("vlm_generation_tokens_total", "counter", "Tokens sampled", lambda s, c: s.generation_tokens),
-    (
-        "vlm_prefix_cache_hit_tokens_total",
-        "counter",
-        "Prompt tokens served from the prefix cache",
-        lambda s, c: s.cached_prompt_tokens,
-    ),
-    ("vlm_preemptions_total", "counter", "Requests preempted for lack of KV pages", lambda s, c: s.preemptions),
-    ("vlm_step_schedule_seconds_total", "counter", "Host time spent scheduling", lambda s, c: s.schedule_s),
-    (
-        "vlm_step_forward_seconds_total",
-        "counter",
-        "Time spent in forward passes and sampling",
-        lambda s, c: s.forward_s,
-    ),
-    ("vlm_step_update_seconds_total", "counter", "Host time spent applying step results", lambda s, c: s.update_s),
-    (
-        "vlm_grammar_mask_seconds_total",
-        "counter",
-        "Host time spent building structured-output token masks (on a thread, during the forward)",
-        lambda s, c: s.grammar_mask_s,
-    ),
+]
+_CORE_HISTOGRAMS = [
+    ("step_schedule_seconds", "Host time in the scheduler, per step", "step_schedule_s"),
+    ("step_forward_seconds", "Forward pass and sampling, per step", "step_forward_s"),
+    ("step_update_seconds", "Host time applying a step's results", "step_update_s"),
+    ("step_batch_size", "Sequences in a step", "step_batch_size"),
+    ("step_prefill_tokens", "Prompt tokens computed in a step", "step_prefill_tokens"),
+    ("step_cached_tokens", "Prompt tokens newly served from the prefix cache in a step", "step_cached_tokens"),
+    ("step_decode_tokens", "Decode tokens in a step", "step_decode_tokens"),
 ]
 
 
-def render_metrics(state: Any) -> str:
-    stats, client = state.client.stats, state.client
-    lines = []
-    for name, kind, help_text, get in _METRICS:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {get(stats, client)}")
-    latencies = client.latencies
-    for name, histogram, help_text in (
-        ("vlm_time_to_first_token_seconds", latencies.ttft, "Request accepted to first token, as the API saw it"),
-        ("vlm_inter_token_latency_seconds", latencies.itl, "Gap between output tokens, as the API saw it"),
-        ("vlm_e2e_request_latency_seconds", latencies.e2e, "Request accepted to last token"),
-        ("vlm_request_queue_time_seconds", stats.queue_time, "Waiting in the engine core before first scheduled"),
-    ):
-        lines += histogram.prometheus_lines(name, help_text)
-    lines.append("# HELP vlm_healthy 1 when the server is ready and serving")
-    lines.append("# TYPE vlm_healthy gauge")
-    lines.append(f"vlm_healthy {int(state.healthy)}")
-    return "\n".join(lines) + "\n"
+class _CoreCollector(Collector):
+    def __init__(self, label_values: tuple[str, str], core_stats: Callable[[], ipc.CoreStats],
+                 gauges: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+        self.label_values = list(label_values)
+        self.core_stats = core_stats
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        stats, labels = self.core_stats(), self.label_values
+        for name, doc, attr in _CORE_GAUGES:
+            yield self._gauge(name, doc, getattr(stats, attr))
+        usage = stats.pages_used / stats.pages_total if stats.pages_total else 0.0
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", usage)
+        for name, value in self.gauges().items():
+            yield self._gauge(name, _API_GAUGE_HELP[name], value)
+        for name, doc, attr in _CORE_COUNTERS:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, getattr(stats, attr))
+            yield family
+        for name, doc, attr in _CORE_HISTOGRAMS:
+            hist: H.Histogram = getattr(stats, attr)
+            family = HistogramMetricFamily(PREFIX + name, doc, labels=LABELS)
+            family.add_metric(labels, _cumulative_buckets(hist), hist.total)
+            yield family
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
+        family.add_metric(self.label_values, value)
+        return family
+
+
+_API_GAUGE_HELP = {
+    "num_requests_inflight": "Engine requests accepted by the API and not finished (preprocessing included)",
+    "healthy": "1 when the server is ready and serving",
+}
+
+
+def _cumulative_buckets(hist: H.Histogram) -> list[tuple[str, float]]:
+    out, running = [], 0
+    for bound, n in zip(hist.bounds, hist.counts):
+        running += n
+        out.append((floatToGoString(bound), running))
+    out.append(("+Inf", running + hist.counts[-1]))
+    return out
+
+
+def observe_requests(state: Any) -> ServerMetrics:
+    """Wire the API process's observers: Prometheus metrics (unless --disable-log-stats) and the
+    request log (--request-log) become sinks of the engine client's request tracker."""
+    config, client = state.config, state.client
+    metrics = ServerMetrics(
+        config.model_name,
+        config.replica,
+        lambda: client.stats,
+        lambda: {"num_requests_inflight": client.num_inflight, "healthy": int(state.healthy)},
+    )
+    if config.log_stats:
+        client.tracker.sinks.append(metrics)
+    if config.request_log is not None:
+        from vlm_engine.metrics.request_log import RequestLog
+
+        client.tracker.sinks.append(RequestLog(config.request_log, config.model_name, config.replica))
+        client.tracker.keep_token_ids = True
+    state.metrics = metrics
+    return metrics

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -151,27 +152,40 @@ class PreprocessWorker:
             except Exception:
                 logger.exception("dropping an undecodable message")
                 continue
-            try:
-                self.handle(request)
-            finally:
-                self.to_api.send_multipart(ipc.encode(ipc.PreprocessDone(self.index)))
+            self.handle(request)
 
     def handle(self, request: ipc.PreprocessRequest) -> None:
+        """Always answers the API with one PreprocessDone (its load balancing counts on it), sent
+        before the engine requests leave, so the API knows the prompt before its first token."""
         ids = [f"{request.request_id}-{request.first_index + i}" for i in range(request.n)]
+        t0 = time.perf_counter()
+        done = ipc.PreprocessDone(self.index, request.request_id, request.first_index, request.n)
         try:
             self.checker.check(request)
             prompt = self.process(request)
         except ValueError as exc:  # PromptError, MediaError, StructuredOutputError: the client's input
+            self._done(done, t0)
             self._fail(ids, 400, getattr(exc, "message", str(exc)), getattr(exc, "param", None))
             return
         except Exception as exc:
             logger.exception("preprocessing failed for %s", request.request_id)
+            self._done(done, t0)
             self._fail(ids, 500, f"preprocessing failed: {type(exc).__name__}", None, "server_error")
             return
+        done.media_hashes = [f"{m.span.content_hash:016x}" for m in prompt.media]
+        if request.want_token_ids:
+            done.prompt_token_ids = list(prompt.token_ids)
+        self._done(done, t0)
         for i, rid in enumerate(ids):
             self.to_core.send_multipart(
                 encode_engine_request(rid, choice_sampling(request.sampling, i), prompt), copy=False
             )
+
+    def _done(self, done: ipc.PreprocessDone, t0: float) -> None:
+        done.seconds = time.perf_counter() - t0
+        done.done_at = time.monotonic()
+        done.media = [ipc.MediaTiming(kind, seconds) for kind, seconds in self.processor.take_media_timings()]
+        self.to_api.send_multipart(ipc.encode(done))
 
     def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
         if request.messages is not None:

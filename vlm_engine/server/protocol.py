@@ -71,6 +71,7 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # what the chat template sees (None: no tools)
     tool_choice: ToolChoice = NO_TOOLS
     mm_processor_kwargs: dict[str, Any] | None = None  # video sampling (fps, max_frames) for the worker
+    return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
 
     @property
     def num_choices(self) -> int:
@@ -238,6 +239,7 @@ def parse_chat(
         tools=tools if tool_choice.mode != "none" else None,
         tool_choice=tool_choice,
         mm_processor_kwargs=mm_kwargs,
+        return_token_ids=_get(body, "return_token_ids", bool, False),
     )
 
 
@@ -277,6 +279,7 @@ def parse_completion(body: Any, served_model: str, max_n: int) -> GenerateReques
         include_usage=include_usage,
         continuous_usage=continuous,
         logprobs=logprobs is not None,
+        return_token_ids=_get(body, "return_token_ids", bool, False),
     )
 
 
