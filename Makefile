@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast install browser clean bench
+.PHONY: serve test test-fast install system-packages clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,18 +27,21 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/vlm-engine serve --app placard $(ARGS)
 
-# The placard page's browser test drives Debian's chromium through Playwright (a fake camera
-# needs a real browser). Installed once, as root or through sudo.
+# Debian packages that tests drive for real, each installed with apt (as root or through sudo)
+# only when its command is missing from PATH: chromium for the placard page's browser test
+# (Playwright; a fake camera needs a real browser), prometheus (with promtool) for the test that
+# scrapes a server with deploy/prometheus/prometheus.yml. `env` passes DEBIAN_FRONTEND through sudo.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-browser:
-	@command -v chromium >/dev/null || { \
-	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium >/dev/null; }
+APT_GET := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
+system-packages:
+	@command -v chromium >/dev/null && command -v prometheus >/dev/null || $(APT_GET) update -qq
+	@command -v chromium >/dev/null || $(APT_GET) install -y -qq chromium >/dev/null
+	@command -v prometheus >/dev/null || $(APT_GET) install -y -qq --no-install-recommends prometheus >/dev/null
 
-test: $(STAMP) browser
+test: $(STAMP) system-packages
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP) browser
+test-fast: $(STAMP) system-packages
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)

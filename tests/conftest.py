@@ -8,12 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path
+from typing import Any
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+import pytest
+from PIL import Image
 
 
 @pytest.fixture(scope="session")
@@ -71,3 +71,32 @@ def hf_greedy(hf: tuple[Any, Any], messages: list[dict[str, Any]], max_new_token
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.fixture(scope="session")
+def observed_server(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One `vlm-engine serve` (tiny Qwen2-VL) with every observability option on, shared by
+    test_observability, test_dashboard and test_deploy: a server start costs 20-40 s on 2 cores.
+    Its tests compare /metrics before and after their own requests, never absolute totals. The KV
+    pool is small (512 tokens) so that a burst of long requests must preempt; the request log and
+    profiles go next to the server log."""
+    from tests.server_helpers import ServerProcess, running
+
+    run_dir = tmp_path_factory.mktemp("observed-server")
+    srv = ServerProcess(
+        tiny_vlm_dir,
+        run_dir / "server.log",
+        "--served-model-name", "tiny-vlm",
+        "--max-model-len", "512",
+        "--kv-cache-tokens", "512",
+        "--max-num-seqs", "8",
+        "--replica-id", OBSERVED_REPLICA,
+        "--request-log", str(run_dir / "requests.jsonl"),
+        "--profile-dir", str(run_dir / "profiles"),
+        "--log-stats-interval", "0.5",
+    )  # fmt: skip
+    with running(srv):
+        yield srv
+
+
+OBSERVED_REPLICA = "replica-a"  # observed_server's --replica-id

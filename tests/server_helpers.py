@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,19 @@ from pydantic import BaseModel
 from vlm_engine.metrics.scrape import parse_metrics
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The browser tests (placard page, dashboard) drive Debian's chromium through Playwright and save
+# screenshots here. From shared/PEERS.md: a quiet headless chromium that reaches for nothing on the network.
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("VLM_TEST_ARTIFACTS", REPO / "test-artifacts"))
+BROWSER_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 def free_port() -> int:

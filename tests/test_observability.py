@@ -1,9 +1,7 @@
 """What the server tells its operator, checked against the real `vlm-engine serve` (tiny Qwen2-VL):
 /metrics counts what happened (TTFT per request, prefix and media cache hits, preemptions), the
 request log holds exactly the token ids the API returned, a profile run writes a trace that loads,
-and the periodic status line appears in the log.
-
-The KV pool is small (512 tokens) so that a burst of long requests must preempt."""
+and the periodic status line appears in the log. The server is conftest's `observed_server`."""
 
 from __future__ import annotations
 
@@ -18,35 +16,21 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import OBSERVED_REPLICA as REPLICA
 from tests.conftest import make_image
-from tests.server_helpers import ServerProcess, running, sse_events
+from tests.server_helpers import ServerProcess, sse_events
 
 pytestmark = pytest.mark.slow
 
-REPLICA = "replica-a"
+
+@pytest.fixture(scope="module")
+def server(observed_server: ServerProcess) -> ServerProcess:
+    return observed_server
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("observability")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_vlm_dir: Path, run_dir: Path):
-    srv = ServerProcess(
-        tiny_vlm_dir,
-        run_dir / "server.log",
-        "--served-model-name", "tiny-vlm",
-        "--max-model-len", "512",
-        "--kv-cache-tokens", "512",
-        "--max-num-seqs", "8",
-        "--replica-id", REPLICA,
-        "--request-log", str(run_dir / "requests.jsonl"),
-        "--profile-dir", str(run_dir / "profiles"),
-        "--log-stats-interval", "0.5",
-    )  # fmt: skip
-    with running(srv):
-        yield srv
+def run_dir(observed_server: ServerProcess) -> Path:
+    return observed_server.log_path.parent
 
 
 def chat(server: ServerProcess, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
@@ -152,7 +136,7 @@ def test_a_burst_that_overflows_the_kv_pool_counts_preemptions(server: ServerPro
     after = settled(server)
     assert added(before, after, "vlm_engine:num_preemptions_total") > 0
     assert after["vlm_engine:kv_pages_used"] == 0 and after["vlm_engine:kv_cache_usage_perc"] == 0
-    log = log_lines(Path(server.log_path).parent)
+    log = log_lines(server.log_path.parent)
     preempted = [log[b.json()["id"]]["preemptions"] for b in bodies]
     assert sum(preempted) == added(before, after, "vlm_engine:num_preemptions_total")
 
@@ -175,7 +159,7 @@ def test_request_log_holds_the_token_ids_the_api_returned(server: ServerProcess)
     )
     assert bad.status_code == 400
 
-    log = log_lines(Path(server.log_path).parent)
+    log = log_lines(server.log_path.parent)
     for body in (plain, with_image):
         entry = log[body["id"]]
         assert entry["output_token_ids"] == body["choices"][0]["token_ids"]

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,21 +20,10 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from tests.server_helpers import REPO, ServerProcess, running
+from tests.server_helpers import ARTIFACTS, BROWSER_ARGS, CHROMIUM, ServerProcess, running
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("VLM_TEST_ARTIFACTS", REPO / "test-artifacts"))
-# From shared/PEERS.md: a quiet headless chromium that reaches for nothing on the network.
-BROWSER_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 PLACARD_DONE_S = 120.0  # the default model on 2 CPU cores: a placard takes ~5-10 s
 COFFEE_WORDS = ("coffee", "cup", "espresso")
 
@@ -95,7 +82,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def playwright() -> Iterator[Any]:
     if not Path(CHROMIUM).exists():
-        pytest.fail("chromium is not installed: `make browser` (run by `make test`) installs it")
+        pytest.fail("chromium is not installed: `make system-packages` (run by `make test`) installs it")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
