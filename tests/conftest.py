@@ -32,6 +32,17 @@ def hf_tiny_vlm(tiny_vlm_dir: Path) -> tuple[Any, Any]:
     return model, AutoProcessor.from_pretrained(str(tiny_vlm_dir))
 
 
+@pytest.fixture(scope="session")
+def ops() -> Any:
+    """The fused-ops C++ extension (vlm_engine.models.fused_ops), built on first use."""
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    mod = load_fused_ops()
+    if mod is None:
+        pytest.skip("the fused-ops extension cannot be built here")
+    return mod
+
+
 def make_image(width: int, height: int, seed: int) -> Image.Image:
     """A deterministic picture with structure (gradients + blocks), not flat noise."""
     rng = np.random.default_rng(seed)

@@ -10,20 +10,11 @@ from torch import nn
 
 from vlm_engine.models import cpu_isa
 from vlm_engine.models.cpu_isa import onednn_bf16_packing
-from vlm_engine.models.fused_ops import load_fused_ops
 from vlm_engine.models.layers import RMSNorm, apply_rotary
 from vlm_engine.models.prepack import PackedLinear, prepack_linears, prepack_supported
 from vlm_engine.models.registry import resolve_dtype
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = load_fused_ops()
-    if mod is None:
-        pytest.skip("the fused-ops extension cannot be built here")
-    return mod
 
 
 def randn(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.models.fused_ops import load_fused_ops
 from vlm_engine.models.quantized import QuantizedLinear, decoder_bits, quantize_linears
 from vlm_engine.models.registry import resolve_model
 
@@ -25,14 +24,6 @@ LONG_TEXT = (
     "to wait for a lull before he could cross to the tower. He kept a logbook of every ship he saw, "
     "every storm and every repair, and on quiet nights he read old letters by the light of a lamp."
 )
-
-
-@pytest.fixture(scope="module")
-def ops():
-    mod = load_fused_ops()
-    if mod is None:
-        pytest.skip("the fused-ops extension cannot be built here")
-    return mod
 
 
 @pytest.mark.parametrize("bits", [8, 4])
