@@ -183,11 +183,15 @@ def test_a_profile_run_writes_a_trace_that_loads(server: ServerProcess, run_dir:
     assert httpx.post(server.url + "/start_profile", timeout=30).status_code == 409  # already running
     chat(server, text("Profile me."), max_tokens=4).raise_for_status()
     stopped = httpx.post(server.url + "/stop_profile", timeout=120).json()
-    trace = Path(stopped["trace"])
-    assert trace.parent == run_dir / "profiles" and trace.exists()
-    events = json.loads(trace.read_text())["traceEvents"]
-    names = {e.get("name") for e in events}
-    assert "engine_step" in names and any(str(n).startswith("aten::") for n in names)
+    core, *workers = (Path(p) for p in stopped["traces"])
+    assert core == Path(stopped["trace"]) and core.name.startswith("engine-core-")
+    assert [w.name.split("-")[:2] for w in workers] == [["preprocess", "0"]]  # one worker
+    names = {}
+    for trace in (core, *workers):
+        assert trace.parent == run_dir / "profiles" and trace.exists()
+        names[trace] = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "engine_step" in names[core] and any(str(n).startswith("aten::") for n in names[core])
+    assert "preprocess" in names[workers[0]]
     assert httpx.post(server.url + "/stop_profile", timeout=30).status_code == 409  # nothing running
 
 

@@ -5,6 +5,7 @@ the process that reads it, every writer connects a PUSH):
 
     api ──PreprocessRequest──> worker[i] ──EngineRequest + frames──> core
     api ──Abort / ProfileControl─────────────────────────────────────> core
+    api ──ProfileControl──> worker[i] ──ProfileDone──> api
     core ──CoreReady / EngineOutputs / ProfileDone──> detokenizer ──CoreReady / ApiOutputs / ProfileDone──> api
     detokenizer ──Abort(stopped=True)──> core   (a stop string ended the request)
     worker ──WorkerReady / RequestError / PreprocessDone──> api
@@ -114,7 +115,7 @@ class Abort(Message):
 
 
 class ProfileControl(Message):
-    """api -> core: start or stop the torch profiler (only sent when the server has --profile-dir)."""
+    """api -> core and every worker: start or stop the torch profiler (only with --profile-dir)."""
 
     start: bool
     directory: str
@@ -291,17 +292,19 @@ class PreprocessDone(Message):
 
 
 class ProfileDone(Message):
-    """core -> detokenizer -> api: the profiler stopped (trace written to `path`) or started."""
+    """The profiler of one process started, or stopped with its trace written to `path`
+    (core -> detokenizer -> api; a worker -> api)."""
 
     started: bool
     path: str | None = None
     error: str | None = None
+    process: str = "engine-core"
 
 
 CoreInbound = EngineRequest | Abort | ProfileControl
 DetokInbound = CoreReady | EngineOutputs | ProfileDone
 ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | RequestError | ProfileDone
-WorkerInbound = PreprocessRequest
+WorkerInbound = PreprocessRequest | ProfileControl
 
 
 # ---- codec -----------------------------------------------------------------------------------------

@@ -464,14 +464,18 @@ def build_app(state: ServerState) -> FastAPI:
         check_auth(request)
         assert config.profile_dir is not None
         try:
-            done = await client.profile(start, config.profile_dir)
+            answers = await client.profile(start, config.profile_dir)
         except RuntimeError as exc:
             raise P.ApiError(409, str(exc)) from None
         except TimeoutError:
-            raise P.ApiError(504, "the engine core did not answer the profiler request", type="server_error") from None
-        if done.error is not None:
-            raise P.ApiError(409, done.error)
-        return JSONResponse({"status": "started"} if start else {"status": "stopped", "trace": done.path})
+            raise P.ApiError(504, "the engine processes did not answer the profiler request", type="server_error") from None
+        errors = [f"{a.process}: {a.error}" for a in answers if a.error is not None]
+        if errors:
+            raise P.ApiError(409, "; ".join(errors))
+        if start:
+            return JSONResponse({"status": "started"})
+        # `trace`: the engine core's; `traces`: every process's (core first, then the workers).
+        return JSONResponse({"status": "stopped", "trace": answers[0].path, "traces": [a.path for a in answers]})
 
     @app.get("/dashboard")
     async def dashboard() -> Response:

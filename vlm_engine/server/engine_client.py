@@ -54,7 +54,8 @@ class EngineClient:
         self.ready_workers: set[int] = set()
         self.stats = ipc.CoreStats()
         self.tracker = tracker or RequestTracker()
-        self.profile_waiter: asyncio.Future | None = None  # a /start_profile or /stop_profile call
+        # A /start_profile or /stop_profile call in progress: (answers so far, done, answers expected).
+        self._profile_answers: tuple[list[ipc.ProfileDone], asyncio.Future, int] | None = None
         self._receiver: asyncio.Task | None = None
 
     def _push(self, address: str) -> zmq.Socket:
@@ -140,16 +141,21 @@ class EngineClient:
 
     # ---- results -------------------------------------------------------------------------------
 
-    async def profile(self, start: bool, directory: str, timeout_s: float = 120.0) -> ipc.ProfileDone:
-        """Ask the engine core to start or stop its profiler; waits for its answer."""
-        if self.profile_waiter is not None and not self.profile_waiter.done():
+    async def profile(self, start: bool, directory: str, timeout_s: float = 120.0) -> list[ipc.ProfileDone]:
+        """Start or stop the profiler of the engine core and of every worker; waits for all answers
+        (the core's first)."""
+        if self._profile_answers is not None:
             raise RuntimeError("a profiler request is already pending")
-        self.profile_waiter = asyncio.get_running_loop().create_future()
-        self.to_core.send_multipart(ipc.encode(ipc.ProfileControl(start, directory)))
+        expected = 1 + self.num_workers
+        self._profile_answers = ([], asyncio.get_running_loop().create_future(), expected)
+        msg = ipc.encode(ipc.ProfileControl(start, directory))
+        for sock in (self.to_core, *self.to_workers):
+            sock.send_multipart(msg)
         try:
-            return await asyncio.wait_for(self.profile_waiter, timeout_s)
+            answers = await asyncio.wait_for(self._profile_answers[1], timeout_s)
         finally:
-            self.profile_waiter = None
+            self._profile_answers = None
+        return sorted(answers, key=lambda a: a.process != "engine-core")
 
     async def _receive_loop(self) -> None:
         while True:
@@ -184,8 +190,11 @@ class EngineClient:
                     for i in range(msg.first_index, msg.first_index + msg.n):
                         handle.prompt_token_ids[i] = msg.prompt_token_ids
         elif isinstance(msg, ipc.ProfileDone):
-            if self.profile_waiter is not None and not self.profile_waiter.done():
-                self.profile_waiter.set_result(msg)
+            if self._profile_answers is not None:
+                answers, done, expected = self._profile_answers
+                answers.append(msg)
+                if len(answers) == expected and not done.done():
+                    done.set_result(answers)
         elif isinstance(msg, ipc.CoreReady):
             self.core_info = msg
             self.stats = ipc.CoreStats(pages_total=msg.num_pages)

@@ -19,6 +19,7 @@ import zmq
 
 from vlm_engine import ipc
 from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
 from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError
@@ -133,6 +134,7 @@ class PreprocessWorker:
         for sock in (self.to_core, self.to_api):
             sock.setsockopt(zmq.SNDHWM, 0)
         self.decoder = ipc.Decoder(ipc.WorkerInbound)
+        self.profiler = TorchProfiler(f"preprocess-{index}")
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -148,11 +150,27 @@ class PreprocessWorker:
                 continue
             parts = self.inbox.recv_multipart(copy=False)
             try:
-                request, _ = self.decoder.decode(parts)
+                msg, _ = self.decoder.decode(parts)
             except Exception:
                 logger.exception("dropping an undecodable message")
                 continue
-            self.handle(request)
+            if isinstance(msg, ipc.ProfileControl):
+                self._profile(msg)
+                continue
+            with self.profiler.range("preprocess"):
+                self.handle(msg)
+
+    def _profile(self, msg: ipc.ProfileControl) -> None:
+        name = self.profiler.process_name
+        try:
+            if msg.start:
+                self.profiler.start(msg.directory)
+                done = ipc.ProfileDone(started=True, process=name)
+            else:
+                done = ipc.ProfileDone(started=False, path=self.profiler.stop(), process=name)
+        except (RuntimeError, OSError) as exc:
+            done = ipc.ProfileDone(started=msg.start, error=str(exc), process=name)
+        self.to_api.send_multipart(ipc.encode(done))
 
     def handle(self, request: ipc.PreprocessRequest) -> None:
         """Always answers the API with one PreprocessDone (its load balancing counts on it), sent
