@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from vlm_engine import ipc
+
 
 class TorchProfiler:
     def __init__(self, process_name: str) -> None:
@@ -46,6 +48,16 @@ class TorchProfiler:
         path = self._directory / f"{self.process_name}-{os.getpid()}-{stamp}.trace.json"
         profile.export_chrome_trace(str(path))
         return str(path)
+
+    def control(self, msg: ipc.ProfileControl) -> ipc.ProfileDone:
+        """Carry out a start or stop request; the answer for the API (an error when it cannot)."""
+        try:
+            if msg.start:
+                self.start(msg.directory)
+                return ipc.ProfileDone(started=True, process=self.process_name)
+            return ipc.ProfileDone(started=False, path=self.stop(), process=self.process_name)
+        except (RuntimeError, OSError) as exc:  # start while running, stop while stopped, an unwritable dir
+            return ipc.ProfileDone(started=msg.start, error=str(exc), process=self.process_name)
 
     def range(self, name: str) -> Any:
         """A named span in the trace (the engine step, say), only while a trace runs."""

@@ -150,7 +150,7 @@ class EngineCore:
             if isinstance(msg, ipc.EngineRequest):
                 self._add(msg, frames)
             elif isinstance(msg, ipc.ProfileControl):
-                self._profile(msg)
+                self.outbox.send_multipart(ipc.encode(self.profiler.control(msg)))
             else:
                 self._abort(msg)
             self._dirty = True
@@ -194,18 +194,6 @@ class EngineCore:
                     rid, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens, timing=_timing(request)
                 )
             )
-
-    def _profile(self, msg: ipc.ProfileControl) -> None:
-        """Start or stop a torch profiler trace of this process (CPU activities; CUDA when present)."""
-        try:
-            if msg.start:
-                self.profiler.start(msg.directory)
-                done = ipc.ProfileDone(started=True)
-            else:
-                done = ipc.ProfileDone(started=False, path=self.profiler.stop())
-        except (RuntimeError, OSError) as exc:  # start while running, stop while stopped, an unwritable dir
-            done = ipc.ProfileDone(started=msg.start, error=str(exc))
-        self.outbox.send_multipart(ipc.encode(done))
 
     # ---- one step ------------------------------------------------------------------------------
 

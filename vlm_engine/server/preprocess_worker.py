@@ -155,22 +155,10 @@ class PreprocessWorker:
                 logger.exception("dropping an undecodable message")
                 continue
             if isinstance(msg, ipc.ProfileControl):
-                self._profile(msg)
+                self.to_api.send_multipart(ipc.encode(self.profiler.control(msg)))
                 continue
             with self.profiler.range("preprocess"):
                 self.handle(msg)
-
-    def _profile(self, msg: ipc.ProfileControl) -> None:
-        name = self.profiler.process_name
-        try:
-            if msg.start:
-                self.profiler.start(msg.directory)
-                done = ipc.ProfileDone(started=True, process=name)
-            else:
-                done = ipc.ProfileDone(started=False, path=self.profiler.stop(), process=name)
-        except (RuntimeError, OSError) as exc:
-            done = ipc.ProfileDone(started=msg.start, error=str(exc), process=name)
-        self.to_api.send_multipart(ipc.encode(done))
 
     def handle(self, request: ipc.PreprocessRequest) -> None:
         """Always answers the API with one PreprocessDone (its load balancing counts on it), sent
