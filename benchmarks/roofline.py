@@ -45,7 +45,8 @@ class MachineCeilings:
     threads: int
     cpu: str
     torch_version: str
-    matmul_n: int
+    matmul_n: int  # the fp32 matmul's size
+    matmul_bf16_n: int | None = None  # the bf16 one's, when smaller (None: matmul_n; see matmul_size)
 
     @property
     def mem_bytes_s(self) -> float:
@@ -56,9 +57,12 @@ class MachineCeilings:
         return self.matmul_bf16_flops if dtype in ("bfloat16", "float16", "bf16") else self.matmul_fp32_flops
 
     def describe(self) -> str:
+        bf16_n = self.matmul_bf16_n or self.matmul_n
+        bf16_size = f" ({bf16_n}^3)" if bf16_n != self.matmul_n else ""
         return (
             f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32, "
-            f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16; memory read {self.mem_read_bytes_s / 1e9:.1f} GB/s, "
+            f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16{bf16_size}; "
+            f"memory read {self.mem_read_bytes_s / 1e9:.1f} GB/s, "
             f"copy {self.mem_copy_bytes_s / 1e9:.1f} GB/s ({self.threads} threads, {self.cpu})"
         )
 
@@ -83,6 +87,25 @@ def _best_time(fn: Any, repeats: int) -> float:
     return best
 
 
+def matmul_size(n: int = 2048, dtype: str = "float32", max_call_s: float = 1.0, min_n: int = 256) -> int:
+    """n, halved (down to min_n) until one n^3 matmul is expected to take at most max_call_s.
+
+    A dtype the CPU has no fast kernel for is orders of magnitude slower than fp32: bf16 on a CPU
+    without avx512_bf16/AMX ran at ~0.3-1 GFLOP/s (fp32: ~140) on a 2-core EPYC, so one 2048^3
+    bf16 matmul took 20-50 s and the 6 calls of a measurement ~5 minutes. The expectation comes
+    from a timed min_n^3 call (after a warm-up one), scaled by n^3.
+    """
+    import torch
+
+    m = min(n, min_n)
+    dt = getattr(torch, dtype)
+    a, b = torch.randn(m, m, dtype=dt), torch.randn(m, m, dtype=dt)
+    per_flop = _best_time(lambda: torch.matmul(a, b), 1) / m**3
+    while n > min_n and per_flop * n**3 > max_call_s:
+        n //= 2
+    return max(n, m)
+
+
 def measure_matmul(n: int = 2048, dtype: str = "float32", repeats: int = 5) -> float:
     import torch
 
@@ -104,24 +127,27 @@ def measure_bandwidth(mbytes: int = 512, repeats: int = 5) -> tuple[float, float
     return read, copy
 
 
-def measure_machine(n: int = 2048, repeats: int = 5) -> MachineCeilings:
+def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) -> MachineCeilings:
+    """Each matmul size is capped so that one call takes about max_call_s at most (matmul_size)."""
     import torch
 
     read, copy = measure_bandwidth(repeats=repeats)
+    n32, n16 = matmul_size(n, "float32", max_call_s), matmul_size(n, "bfloat16", max_call_s)
     return MachineCeilings(
-        matmul_fp32_flops=measure_matmul(n, "float32", repeats),
-        matmul_bf16_flops=measure_matmul(n, "bfloat16", repeats),
+        matmul_fp32_flops=measure_matmul(n32, "float32", repeats),
+        matmul_bf16_flops=measure_matmul(n16, "bfloat16", repeats),
         mem_read_bytes_s=read,
         mem_copy_bytes_s=copy,
         threads=torch.get_num_threads(),
         cpu=cpu_name(),
         torch_version=torch.__version__,
-        matmul_n=n,
+        matmul_n=n32,
+        matmul_bf16_n=n16 if n16 != n32 else None,
     )
 
 
 def machine_ceilings(refresh: bool = False, path: Path = MACHINE_CACHE) -> MachineCeilings:
-    """Cached ceilings for this CPU / thread count / torch, measured (~10 s) when missing or stale."""
+    """Cached ceilings for this CPU / thread count / torch, measured (a few s) when missing or stale."""
     import torch
 
     if not refresh and path.exists():

@@ -111,6 +111,7 @@ class ManagedServer:
     log_dir: Path
     startup_timeout_s: float = 600.0
     stop_grace_s: float = 20.0
+    poll_s: float = 0.25  # /health poll interval while starting
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     startup_s: float = 0.0
@@ -157,7 +158,7 @@ class ManagedServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1.0)
+            time.sleep(self.poll_s)
         raise TimeoutError(f"{self.spec.name} not healthy after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 3000) -> str:

@@ -354,6 +354,17 @@ def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.Mo
     assert len(calls) == 2
 
 
+def test_matmul_size_keeps_one_call_within_budget() -> None:
+    # bf16 without avx512_bf16/AMX ran ~400x slower than fp32: a fixed 2048^3 size made a fresh
+    # clone's first machine measurement take ~5 minutes (inside the serve_bench smoke test).
+    assert R.matmul_size(2048, "float32", max_call_s=1e9) == 2048
+    assert R.matmul_size(2048, "float32", max_call_s=1e-12) == 256
+    assert R.matmul_size(128, "float32", max_call_s=1e-12) == 128
+    ceilings = R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048, 512)
+    assert "bf16 (512^3)" in ceilings.describe()
+    assert "(2048^3)" not in R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048).describe()
+
+
 # ---- comparison table ---------------------------------------------------------------------------------
 
 
