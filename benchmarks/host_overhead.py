@@ -74,8 +74,8 @@ def timed_step(engine: Any) -> StepTiming | None:
     if step is None:
         return None
     t0 = time.perf_counter()
-    for request, token in step.tokens:
-        engine._on_token(request, token)
+    for request, tokens in step.tokens:
+        engine._on_tokens(request, tokens)
     outputs = time.perf_counter() - t0
     s = step.stats
     prepare = engine.runner.last_prepare_s

@@ -39,7 +39,7 @@ class FakeRunner:
         pages = np.asarray(request.page_ids)[pos // self.ps]
         return pages * self.ps + pos % self.ps
 
-    def execute(self, plan) -> dict[str, int]:
+    def execute(self, plan) -> dict[str, list[int]]:
         sampled = {}
         for chunk in plan.chunks:
             r = chunk.request
@@ -52,7 +52,7 @@ class FakeRunner:
             self.slots[self.slot_ids(r, chunk.start, chunk.end)] = self.content(r, chunk.start, chunk.end)
             if chunk.samples:
                 history = self.slots[self.slot_ids(r, 0, chunk.end)]
-                sampled[r.request_id] = int(hash(history.tobytes()) % (VOCAB - 2))
+                sampled[r.request_id] = [int(hash(history.tobytes()) % (VOCAB - 2))]
         return sampled
 
 

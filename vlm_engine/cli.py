@@ -21,6 +21,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _speculative_method(text: str) -> str:
+    if text == "ngram" or (text.startswith("draft:") and len(text) > len("draft:")):
+        return text
+    raise argparse.ArgumentTypeError(f"must be 'ngram' or 'draft:PATH', got {text!r}")
+
+
 def _mm_limit(text: str) -> dict[str, int]:
     """`8` (images), `image=8,video=2` or the vLLM JSON form `{"image": 8, "video": 2}`."""
     text = text.strip()
@@ -94,6 +100,24 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=list(QUANTIZATIONS),
         help="weight-only int8/int4 decoder linears on CPU (llama.cpp's Q8_0/Q4_1 schemes; a Q4_1 GGUF keeps its codes)",
+    )
+    g.add_argument(
+        "--speculative",
+        default=None,
+        type=_speculative_method,
+        help="speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model, same vocabulary)",
+    )
+    g.add_argument(
+        "--num-speculative-tokens", type=_positive_int, default=d.num_speculative_tokens, help="draft tokens per step"
+    )
+    g.add_argument(
+        "--speculative-ngram-max", type=_positive_int, default=d.speculative_ngram_max, help="longest n-gram matched"
+    )
+    g.add_argument(
+        "--speculative-disable-batch-size",
+        type=_positive_int,
+        default=d.speculative_disable_batch_size,
+        help="steps that start with this many running requests do not speculate (the batch is compute-bound)",
     )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     a = p.add_argument_group("admission and media")
@@ -191,6 +215,10 @@ def run_serve(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         numerics=args.numerics,
         quantization=args.quantization,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_ngram_max=args.speculative_ngram_max,
+        speculative_disable_batch_size=args.speculative_disable_batch_size,
         warmup=not args.no_warmup,
         max_waiting_requests=args.max_waiting_requests,
         limit_mm_per_prompt=args.limit_mm_per_prompt.get("image", ServerConfig.limit_mm_per_prompt),

@@ -32,6 +32,14 @@ class EngineConfig:
     cpu_kv_cache_fraction: float = 0.25  # of MemAvailable, when kv_cache_tokens is None on CPU
     cpu_kv_cache_max_bytes: int = 4 * 1024**3
     gpu_memory_utilization: float = 0.9
+    # Speculative decoding (vlm_engine.speculative): None (off), "ngram" (prompt lookup) or
+    # "draft:PATH" (a smaller model with the same vocabulary); up to num_speculative_tokens a step.
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_ngram_min: int = 1
+    speculative_ngram_max: int = 4
+    speculative_disable_batch_size: int = 8  # steps starting with this many running requests do not speculate
+    speculative_draft_quantization: str | None = None  # "int8" / "int4": the draft model's weight-only linears
 
     def __post_init__(self) -> None:
         if self.numerics not in NUMERICS:
@@ -46,5 +54,11 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
+        if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):
+            raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {self.speculative!r}")
+        if self.speculative_draft_quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"speculative_draft_quantization must be one of {QUANTIZATIONS} or None")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError("kv_cache_tokens must hold at least one page")

@@ -28,6 +28,7 @@ from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from vlm_engine.speculative import Speculator
 from vlm_engine.structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ class StepStats:
     num_tokens: int = 0
     num_seqs: int = 0
     schedule_s: float = 0.0
+    propose_s: float = 0.0  # speculative decoding: proposing drafts (a draft model's forwards)
     forward_s: float = 0.0
     update_s: float = 0.0
     mask_s: float = 0.0  # grammar masks, built on a host thread during the forward (not added to it)
@@ -73,10 +75,11 @@ class StepStats:
 
 @dataclass
 class TokenStep:
-    """One step at the token level: the plan that ran and the tokens it appended, in chunk order."""
+    """One step at the token level: the plan that ran and the tokens it appended, in chunk order
+    (several per request when a draft was accepted)."""
 
     plan: SchedulerOutput
-    tokens: list[tuple[Request, SampledToken]]
+    tokens: list[tuple[Request, list[SampledToken]]]
     stats: StepStats
 
 
@@ -126,9 +129,13 @@ class Engine:
         )
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
         self.tokenizer = self.processor.tokenizer
+        draft_model = None
+        if cfg.speculative and cfg.speculative.startswith("draft:"):
+            draft_model = self._build_draft_model(cfg.speculative.removeprefix("draft:"), fast, panel_ops)
 
         layout = KVLayout.of(self.model)
-        num_pages = self._num_pages(layout)
+        layouts = [layout] if draft_model is None else [layout, KVLayout.of(draft_model)]
+        num_pages = self._num_pages(layouts)
         text_config = getattr(self.hf_config, "text_config", None) or self.hf_config
         model_len = cfg.max_model_len or int(text_config.max_position_embeddings)
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
@@ -147,6 +154,7 @@ class Engine:
         self.runner = ModelRunner(
             self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
         )
+        self.speculator = self._build_speculator(draft_model, num_pages, backend, fused)
         self.eos_token_ids = self._eos_token_ids()
         self._grammars: Any = None  # GrammarCompiler, built on the first constrained request
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -155,18 +163,54 @@ class Engine:
         self.last_step = StepStats()
         logger.info(
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
-            "%d KV pages x %d tokens, max_model_len %d",
+            "%d KV pages x %d tokens, max_model_len %d, speculative %s",
             self.source.name, self.dtype, cfg.numerics, cfg.quantization or "unquantized", backend.name,
             fused is not None, isa_tier(), num_pages, cfg.page_size, self.max_model_len,
+            f"{cfg.speculative} k={cfg.num_speculative_tokens}" if cfg.speculative else "off",
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------
 
-    def _num_pages(self, layout: KVLayout) -> int:
+    def _build_draft_model(self, path: str, fast: bool, panel_ops: Any) -> torch.nn.Module:
+        source = resolve_model(path)
+        config = load_config(source)
+        draft_vocab = int((getattr(config, "text_config", None) or config).vocab_size)
+        target_vocab = int((getattr(self.hf_config, "text_config", None) or self.hf_config).vocab_size)
+        if draft_vocab != target_vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
+        # Same dtype and kernels as the target; optionally weight-only quantized, which makes the
+        # target's own weights a draft (int4 of a Q4_1 GGUF keeps its codes: it agrees nearly always).
+        quantization = self.config.speculative_draft_quantization
+        return build_model(
+            source, config, self.dtype, self.device, fast and self.config.prepack_weights, panel_ops,
+            quantization, load_fused_ops() if quantization else None,
+        )  # fmt: skip
+
+    def _build_speculator(self, draft_model: Any, num_pages: int, backend: Any, fused: Any) -> Speculator | None:
+        cfg = self.config
+        if not cfg.speculative:
+            return None
+        proposer: Any
+        if draft_model is not None:
+            from vlm_engine.speculative.draft_model import DraftModelProposer
+
+            draft_runner = ModelRunner(
+                draft_model, self.device, self.dtype, num_pages, cfg.page_size, backend, 0, fused, merge_media=False
+            )
+            proposer = DraftModelProposer(draft_runner)
+        else:
+            from vlm_engine.speculative.ngram import NgramProposer
+
+            proposer = NgramProposer(cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+        speculator = Speculator(proposer, cfg.num_speculative_tokens, cfg.speculative_disable_batch_size)
+        self.scheduler.lookahead = speculator.lookahead
+        return speculator
+
+    def _num_pages(self, layouts: list[KVLayout]) -> int:
         cfg = self.config
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // cfg.page_size)
-        per_page = layout.bytes_per_token(self.dtype) * cfg.page_size
+        per_page = sum(layout.bytes_per_token(self.dtype) for layout in layouts) * cfg.page_size
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
@@ -256,44 +300,60 @@ class Engine:
         shared by `step()` and the server's engine core. Raises StepFailed if the forward pass fails.
         """
         t0 = time.perf_counter()
+        speculator = self.speculator
+        if speculator is not None:
+            speculator.begin_step(len(self.scheduler.running))
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return None
         t1 = time.perf_counter()
         try:
+            if speculator is not None:
+                speculator.stats.last_step_lengths.clear()
+                speculator.propose(plan)
+            t2 = time.perf_counter()
             sampled = self.runner.execute(plan)
         except Exception as exc:
             raise StepFailed(plan) from exc
-        t2 = time.perf_counter()
-        tokens = self._apply_tokens(plan, sampled)
         t3 = time.perf_counter()
+        if speculator is not None:
+            for chunk in plan.chunks:
+                if chunk.draft and chunk.request.request_id in sampled:
+                    speculator.observe(chunk, len(sampled[chunk.request.request_id]))
+        tokens = self._apply_tokens(plan, sampled)
+        t4 = time.perf_counter()
         stats = StepStats(
-            plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2, self.runner.last_mask_s, self.runner.last_mask_wait_s
+            plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
+            self.runner.last_mask_s, self.runner.last_mask_wait_s,
         )
         self.last_step = stats
         return TokenStep(plan, tokens, stats)
 
-    def _apply_tokens(self, plan: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[tuple[Request, SampledToken]]:
-        applied: list[tuple[Request, SampledToken]] = []
+    def _apply_tokens(
+        self, plan: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> list[tuple[Request, list[SampledToken]]]:
+        applied: list[tuple[Request, list[SampledToken]]] = []
         rejected: list[Request] = []
         for chunk in plan.chunks:
             request = chunk.request
-            token = sampled.get(request.request_id)
-            if token is None or request.status is not RequestStatus.RUNNING:
+            tokens = sampled.get(request.request_id)
+            if not tokens or request.status is not RequestStatus.RUNNING:
                 continue
             if request.grammar is not None:
-                taken = request.grammar.accept(token.token_id, request.remaining_tokens - 1)
-                if taken is None:
+                tokens = self._accept_constrained(request, tokens)
+                if tokens is None:
                     rejected.append(request)
                     continue
-                if taken != token.token_id:  # the closer finished the output instead
-                    token = SampledToken(taken, token.logprob, token.top_logprobs)
-            applied.append((request, token))
+            applied.append((request, tokens))
         for request in rejected:  # a token outside the mask: a bug, never silently invalid output
             logger.error("request %s: the grammar rejected a sampled token; aborting it", request.request_id)
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self.scheduler.update(plan, {request.request_id: token.token_id for request, token in applied})
-        for request, _ in applied:
+        before = {request.request_id: request.num_tokens for request, _ in applied}
+        self.scheduler.update(plan, {request.request_id: [t.token_id for t in tokens] for request, tokens in applied})
+        for index, (request, tokens) in enumerate(applied):
+            taken = request.num_tokens - before[request.request_id]
+            if request.status.finished and taken < len(tokens):  # a stop token or the length limit came first
+                applied[index] = (request, tokens[: max(taken, 1)])
             if request.grammar is None or not request.grammar.is_stopped:
                 continue
             if not request.status.finished:
@@ -302,25 +362,53 @@ class Engine:
                 request.status = RequestStatus.FINISHED_STOPPED  # completed on its last budgeted token
         return applied
 
+    def _accept_constrained(self, request: Request, tokens: list[SampledToken]) -> list[SampledToken] | None:
+        """Advance the grammar over a step's tokens; None if it rejects one. A token the closer
+        swapped, or one that completes the grammar, ends the step's tokens for this request."""
+        taken: list[SampledToken] = []
+        for i, token in enumerate(tokens):
+            chosen = request.grammar.accept(token.token_id, request.remaining_tokens - 1 - i)
+            if chosen is None:
+                return None
+            if chosen != token.token_id:  # the closer finished the output instead
+                taken.append(SampledToken(chosen, token.logprob, token.top_logprobs))
+                break
+            taken.append(token)
+            if request.grammar.is_stopped or chosen in self.eos_token_ids:
+                break
+        return taken
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every request that produced tokens."""
         result = self.step_tokens()
         if result is None:
             return []
         t0 = time.perf_counter()
-        outputs = [self._on_token(request, token) for request, token in result.tokens]
+        outputs = [self._on_tokens(request, tokens) for request, tokens in result.tokens]
         result.stats.update_s += time.perf_counter() - t0
         return outputs
 
-    def _on_token(self, request: Request, token: SampledToken) -> RequestOutput:
+    def _on_tokens(self, request: Request, tokens: list[SampledToken]) -> RequestOutput:
         rid = request.request_id
         detok = self._detokenizers[rid]
-        if rid in self._logprobs:
-            self._logprobs[rid].append(TokenLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or []))
-        hit_stop = detok.add([token.token_id]) if request.stop_token_id != token.token_id else False
-        if hit_stop and not request.status.finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        return self._output(request, [token.token_id])
+        shown: list[int] = []
+        for i, token in enumerate(tokens):
+            shown.append(token.token_id)
+            if rid in self._logprobs:
+                self._logprobs[rid].append(TokenLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or []))
+            is_stop_token = request.stop_token_id == token.token_id and i == len(tokens) - 1
+            if not is_stop_token and detok.add([token.token_id]):
+                # A stop string ended the text: the step's later tokens never happened.
+                dropped = len(tokens) - 1 - i
+                if dropped:
+                    del request.token_ids[-dropped:]
+                    request.stop_token_id = None
+                if not request.status.finished:
+                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+                elif dropped:
+                    request.status = RequestStatus.FINISHED_STOPPED  # it stopped before the limit it hit
+                break
+        return self._output(request, shown)
 
     def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
         rid = request.request_id

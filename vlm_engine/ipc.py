@@ -156,6 +156,10 @@ class RequestTiming(msgspec.Struct, array_like=True):
     first_token: float | None
     finished: float | None = None
     preemptions: int = 0
+    # Speculative decoding, so far: verification steps with a draft, draft tokens, accepted ones.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class TokenOutput(msgspec.Struct, array_like=True):
@@ -182,6 +186,13 @@ def _step_tokens() -> Histogram:
     return Histogram.with_bounds(STEP_TOKENS_BUCKETS)
 
 
+ACCEPTANCE_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
+
+def _acceptance_lengths() -> Histogram:
+    return Histogram.with_bounds(ACCEPTANCE_LENGTH_BUCKETS)
+
+
 class CoreStats(msgspec.Struct, array_like=True):
     """The engine core's gauges and cumulative counters, sent whole with every flush: the API
     process exports the latest copy, so a lost or merged message never skews a counter."""
@@ -201,6 +212,10 @@ class CoreStats(msgspec.Struct, array_like=True):
     mm_cache_hits: int = 0
     preemptions: int = 0
     grammar_mask_s: float = 0.0  # cumulative host time building grammar masks (overlapped with forward)
+    # Speculative decoding: verified sequences that carried a draft, draft tokens, accepted draft tokens.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # Per step: where the time went, and what the batch held.
     step_schedule_s: Histogram = msgspec.field(default_factory=_step_seconds)
     step_forward_s: Histogram = msgspec.field(default_factory=_step_seconds)
@@ -209,6 +224,9 @@ class CoreStats(msgspec.Struct, array_like=True):
     step_prefill_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
     step_cached_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
     step_decode_tokens: Histogram = msgspec.field(default_factory=_step_tokens)
+    step_spec_propose_s: Histogram = msgspec.field(default_factory=_step_seconds)
+    # Tokens one verification step emitted for one sequence (accepted drafts + 1).
+    spec_acceptance_length: Histogram = msgspec.field(default_factory=_acceptance_lengths)
 
 
 class RequestError(Message):

@@ -53,6 +53,7 @@ class RequestLog:
             "media_hashes": prep.media_hashes if prep is not None else [],
             "finish_reason": None if err is not None else record.finish_reason,
             "preemptions": timing.preemptions if timing is not None else 0,
+            **_speculation(timing),
             "error": _error(err),
         }
 
@@ -69,6 +70,16 @@ class RequestLog:
 
     def on_finished(self, record: RequestRecord) -> None:
         self._file.write(self._encoder.encode(self.entry(record)) + b"\n")
+
+
+def _speculation(timing: ipc.RequestTiming | None) -> dict[str, Any]:
+    drafts = timing.spec_drafts if timing is not None else 0
+    return {
+        "spec_drafts": drafts,
+        "spec_draft_tokens": timing.spec_draft_tokens if timing is not None else 0,
+        "spec_accepted_tokens": timing.spec_accepted_tokens if timing is not None else 0,
+        "spec_acceptance_length": round(1 + timing.spec_accepted_tokens / drafts, 4) if timing and drafts else None,
+    }
 
 
 def _error(err: ipc.RequestError | None) -> dict[str, Any] | None:

@@ -21,9 +21,10 @@ from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCac
 from vlm_engine.cache.encoder_cache import EncoderCache
 from vlm_engine.models.layers import ForwardContext
 from vlm_engine.models.llama import head_dim_of
-from vlm_engine.runner.sampler import SampledToken, sample
+from vlm_engine.runner.sampler import SampledToken, sample, token_logprobs
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+from vlm_engine.speculative.verify import verify_greedy, verify_sampled
 from vlm_engine.structured.grammar import build_bitmask
 
 
@@ -47,8 +48,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_meta: AttentionMetadata
-    sample_rows: list[int]  # flat row of each sampling chunk's last token
+    sample_rows: list[int]  # flat rows whose logits are needed: each sampling chunk's last known token and its draft
     sample_chunks: list[ScheduledChunk]
+    row_offsets: list[int]  # where each sampling chunk's rows start among sample_rows
 
 
 class ModelRunner:
@@ -62,6 +64,7 @@ class ModelRunner:
         attn_backend: AttentionBackend,
         encoder_cache_bytes: int = 0,
         fused_ops: ModuleType | None = None,
+        merge_media: bool = True,  # False for a text-only draft model: placeholders stay token embeddings
     ) -> None:
         self.model = model
         self.device = device
@@ -77,6 +80,7 @@ class ModelRunner:
             for _ in range(self.layout.num_layers)
         ]
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.merge_media = merge_media
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.default_generator = torch.Generator(device="cpu")
         self.default_generator.seed()
@@ -89,32 +93,75 @@ class ModelRunner:
         self.last_mask_wait_s = 0.0  # of that, how long the step waited for it after the forward
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
+        """Run the step; returns the new tokens of each sampling chunk's request (one, or a
+        verified draft prefix plus one when the chunk carries a draft)."""
         t0 = time.perf_counter()
         inputs = self.prepare_inputs(out.chunks)
         self.last_prepare_s = time.perf_counter() - t0  # host-side input building (benchmarks read it)
-        masks = self._start_masks(inputs.sample_chunks)
+        masks = self._start_masks(inputs)
+        logits = self._logits(inputs, out.chunks)
+        if logits is None:
+            return {}
+        if masks is not None:
+            self._apply_masks(logits, masks)
+        return self._choose(logits, inputs)
+
+    @torch.inference_mode()
+    def forward_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
+        """Float32 host logits of the chunks' sample rows, in order (a draft model's proposer uses this)."""
+        return self._logits(self.prepare_inputs(chunks), chunks)
+
+    def _logits(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         hidden = self.model.embed(inputs.input_ids)
-        if any(c.request.prompt.media for c in out.chunks):
-            self._merge_media(hidden, out.chunks)
+        if self.merge_media and any(c.request.prompt.media for c in chunks):
+            self._merge_media(hidden, chunks)
         ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend, self.fused_ops)
         hidden = self.model(hidden, inputs.positions, ctx)
         if not inputs.sample_rows:
-            return {}
+            return None
         rows = torch.tensor(inputs.sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
-        if masks is not None:
-            self._apply_masks(logits, masks)
-        requests = [c.request for c in inputs.sample_chunks]
-        generators = [self._generator(r) for r in requests]
-        tokens = sample(logits, [r.sampling for r in requests], generators, self._argmax)
-        return {r.request_id: t for r, t in zip(requests, tokens)}
+        return self.model.compute_logits(hidden.index_select(0, rows)).float().cpu()
+
+    def _choose(self, logits: torch.Tensor, inputs: StepInputs) -> dict[str, list[SampledToken]]:
+        chunks, offsets = inputs.sample_chunks, inputs.row_offsets
+        results: dict[str, list[SampledToken]] = {}
+        plain = [i for i, c in enumerate(chunks) if not c.draft]
+        if plain:
+            requests = [chunks[i].request for i in plain]
+            rows = logits if len(plain) == len(logits) else logits[[offsets[i] for i in plain]]
+            tokens = sample(rows, [r.sampling for r in requests], [self.generator(r) for r in requests], self._argmax)
+            results.update((r.request_id, [t]) for r, t in zip(requests, tokens))
+        drafted = [i for i, c in enumerate(chunks) if c.draft]
+        if drafted:
+            argmax = (self._argmax(logits) if self._argmax is not None else logits.argmax(dim=-1)).tolist()
+            for i in drafted:
+                results[chunks[i].request.request_id] = self._verify(chunks[i], logits, argmax, offsets[i])
+        return results
+
+    def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, argmax: list[int], row: int) -> list[SampledToken]:
+        request, draft = chunk.request, chunk.draft
+        rows = slice(row, row + len(draft) + 1)
+        draft_probs = request.runner_state.pop("draft_probs", None)
+        params = request.sampling
+        if params.greedy:
+            tokens = verify_greedy(argmax[rows], draft)
+        else:
+            probs = None if draft_probs is None else draft_probs[: len(draft)]
+            tokens = verify_sampled(logits[rows], draft, probs, params, self.generator(request))
+        if params.logprobs is None:
+            return [SampledToken(t) for t in tokens]
+        return token_logprobs(logits[row : row + len(tokens)], tokens, params.logprobs)
 
     # ---- structured output -------------------------------------------------------------------
 
-    def _start_masks(self, sample_chunks: list[ScheduledChunk]) -> Future | None:
+    def _start_masks(self, inputs: StepInputs) -> Future | None:
         self.last_mask_s = self.last_mask_wait_s = 0.0
-        items = [(i, c.request.grammar, c.request.remaining_tokens) for i, c in enumerate(sample_chunks) if c.request.grammar is not None]
+        items = [
+            (offset, c.request.grammar, c.request.remaining_tokens, c.draft)
+            for offset, c in zip(inputs.row_offsets, inputs.sample_chunks)
+            if c.request.grammar is not None
+        ]
         if not items:
             return None
         if self._mask_thread is None:
@@ -137,13 +184,13 @@ class ModelRunner:
         input_ids: list[int] = []
         slots: list[np.ndarray] = []
         positions: list[np.ndarray] = []
-        query_lens, seq_lens, sample_rows, sample_chunks = [], [], [], []
+        query_lens, seq_lens, sample_rows, sample_chunks, row_offsets = [], [], [], [], []
         max_pages = max(len(c.request.page_ids) for c in chunks)
         block_table = np.zeros((len(chunks), max_pages), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             request = chunk.request
             start, end = chunk.start, chunk.end
-            input_ids.extend(request.token_ids[start:end])
+            input_ids.extend(chunk.input_ids())
             pages = np.asarray(request.page_ids, dtype=np.int64)
             block_table[i, : len(pages)] = pages
             pos = np.arange(start, end, dtype=np.int64)
@@ -152,7 +199,8 @@ class ModelRunner:
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             if chunk.samples:
-                sample_rows.append(len(input_ids) - 1)
+                row_offsets.append(len(sample_rows))
+                sample_rows.extend(range(len(input_ids) - chunk.num_sample_rows, len(input_ids)))
                 sample_chunks.append(chunk)
         qsl = np.zeros(len(chunks) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=qsl[1:])
@@ -172,6 +220,7 @@ class ModelRunner:
             attn_meta=meta,
             sample_rows=sample_rows,
             sample_chunks=sample_chunks,
+            row_offsets=row_offsets,
         )
 
     def _positions(self, request: Request, pos: np.ndarray) -> np.ndarray:
@@ -190,7 +239,7 @@ class ModelRunner:
             result[:, in_prompt] = prompt.mrope_positions[:, pos[in_prompt]]
         return result
 
-    def _generator(self, request: Request) -> torch.Generator:
+    def generator(self, request: Request) -> torch.Generator:
         if request.sampling.seed is None:
             return self.default_generator
         gen = request.runner_state.get("generator")

@@ -28,16 +28,9 @@ def sample(
 ) -> list[SampledToken]:
     tokens = _choose(logits, params, generators, argmax)
     results = [SampledToken(t) for t in tokens]
-    wants_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-    if wants_logprobs:
-        rows = torch.tensor(wants_logprobs, device=logits.device)
-        logprobs = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-        for k, i in enumerate(wants_logprobs):
-            results[i].logprob = float(logprobs[k, tokens[i]])
-            n = params[i].logprobs or 0
-            if n:
-                values, ids = logprobs[k].topk(n)
-                results[i].top_logprobs = list(zip(ids.tolist(), values.tolist()))
+    for i, p in enumerate(params):
+        if p.logprobs is not None:
+            results[i] = token_logprobs(logits[i : i + 1], [tokens[i]], p.logprobs)[0]
     return results
 
 
@@ -57,16 +50,34 @@ def _choose(
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    logits = logits / p.temperature
+    return int(torch.multinomial(target_probs(logits, p), 1, generator=generator))
+
+
+def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p.
+    Speculative verification uses the same function, so accepted tokens follow it exactly."""
+    logits = logits.float() / p.temperature
     if p.top_k and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+        kth = torch.topk(logits, p.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens strictly before it already reach top_p (keeps at least one).
         drop = probs.cumsum(-1) - probs >= p.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits.softmax(-1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], n_top: int) -> list[SampledToken]:
+    """Logprobs (from the unmodified logits) of row i's token tokens[i], with top-n alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    results = []
+    for i, token in enumerate(tokens):
+        top = None
+        if n_top:
+            values, ids = logprobs[i].topk(n_top)
+            top = list(zip(ids.tolist(), values.tolist()))
+        results.append(SampledToken(token, float(logprobs[i, token]), top))
+    return results

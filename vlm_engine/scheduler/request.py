@@ -47,6 +47,8 @@ class Request:
     # The structured-output matcher (vlm_engine.structured.grammar.GrammarMatcher) when constrained;
     # its state follows the output tokens, so it survives preemption unchanged.
     grammar: Any = None
+    # Speculative decoding's record (vlm_engine.speculative.RequestSpeculation), created on its first draft.
+    speculation: Any = None
     # Timestamps for metrics (monotonic seconds).
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

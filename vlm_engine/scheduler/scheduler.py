@@ -9,12 +9,18 @@ One `schedule()` call plans one forward step under a token budget:
    each starting from its longest prefix-cache hit.
 `update()` then advances progress, publishes newly full pages to the prefix cache, appends
 sampled tokens and retires finished requests, returning their pages at once.
+
+Speculative decoding (vlm_engine.speculative) adds one thing: a decoding request may reserve
+`lookahead` KV slots past its last token; the engine fills them with proposed tokens before the
+forward pass, which verifies them all at once. `update()` then keeps the KV of the accepted
+prefix only and gives back pages that hold nothing valid (the rollback).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vlm_engine.cache.page_hash import page_hashes
@@ -41,7 +47,11 @@ class SchedulerConfig:
 class ScheduledChunk:
     request: Request
     start: int  # position of the first token computed this step
-    num_tokens: int
+    num_tokens: int  # known tokens plus draft tokens run this step
+    # Speculative decoding: KV slots reserved past the last known token, and the proposed tokens
+    # (at most that many) that follow the known ones in this chunk and are verified by it.
+    num_lookahead: int = 0
+    draft: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -49,8 +59,28 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the last known token, so the step yields a new token."""
-        return self.end == self.request.num_tokens
+        """True when this chunk reaches the last known token (and its draft), so the step yields tokens."""
+        return self.end == self.request.num_tokens + len(self.draft)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows whose logits are needed: the last known token's, then one per draft token."""
+        return min(self.num_tokens, 1 + len(self.draft)) if self.samples else 0
+
+    def set_draft(self, draft: list[int]) -> None:
+        """Attach proposed tokens (at most `num_lookahead`) to a decoding chunk."""
+        if len(draft) > self.num_lookahead or self.num_tokens != 1 + len(self.draft):
+            raise ValueError("a draft needs a decoding chunk with enough reserved slots")
+        self.draft = list(draft)
+        self.num_tokens = 1 + len(self.draft)
+
+    def input_ids(self) -> list[int]:
+        """The token ids this chunk runs: the request's known tokens, then its draft."""
+        known = self.request.token_ids
+        if not self.draft:
+            return known[self.start : self.end]
+        n = len(known)
+        return known[self.start : n] + self.draft[max(0, self.start - n) : self.end - n]
 
 
 @dataclass
@@ -77,6 +107,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Speculative decoding: how many draft slots a decoding request wants this step (None: off).
+        self.lookahead: Callable[[Request], int] | None = None
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -142,16 +174,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.extend_len, budget)
-            while not self._grow(request, request.num_computed_tokens + n):
+            extra = self._lookahead(request, n, budget)
+            while not self._grow(request, request.num_computed_tokens + n + extra):
+                if extra:
+                    extra = 0  # draft slots are the first thing to give up
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
             else:
-                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n, extra))
                 scheduled.add(id(request))
-                budget -= n
+                budget -= n + extra
                 i += 1
                 continue
             # `request` itself was preempted: the list shrank, do not advance i.
@@ -162,6 +198,13 @@ class Scheduler:
 
         out.schedule_time_s = time.perf_counter() - t0
         return out
+
+    def _lookahead(self, request: Request, n: int, budget: int) -> int:
+        """Draft slots for a decoding request: what the speculation policy wants, within the step's
+        budget and so that every verified token could still be emitted (max_tokens, context)."""
+        if self.lookahead is None or n != 1 or request.extend_len != 1:
+            return 0
+        return max(0, min(self.lookahead(request), budget - 1, request.remaining_tokens - 1))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -238,6 +281,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         request.runner_state.pop("media_embeddings", None)
+        request.runner_state.pop("draft_computed", None)  # a draft model's KV went with the pages
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -249,26 +293,67 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply one step's results; `sampled` maps request id -> new token for sampling chunks."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Apply one step's results; `sampled` maps request id -> new tokens for sampling chunks.
+
+        A speculative chunk's tokens are its accepted draft prefix followed by one sampled token;
+        only the accepted prefix's KV is kept, and pages past the last token are given back.
+        """
         finished = []
         now = time.monotonic()
         for chunk in out.chunks:
             request = chunk.request
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted between schedule and update
-            request.num_computed_tokens = chunk.end
-            self._register_full_pages(request)
             if not chunk.samples:
+                request.num_computed_tokens = chunk.end
+                self._register_full_pages(request)
                 continue
-            token = sampled[request.request_id]
+            tokens = sampled[request.request_id]
+            if not tokens or tokens[:-1] != chunk.draft[: len(tokens) - 1]:
+                raise ValueError(f"request {request.request_id}: tokens {tokens} do not extend the draft {chunk.draft}")
             if request.first_token_time is None:
                 request.first_token_time = now
-            status = request.append_token(token)
+            status = None
+            for token in tokens:
+                status = request.append_token(token)
+                if status is not None:
+                    break  # a stop token or the length limit: later tokens are dropped
+            # Every token but the newest has its KV computed (the known ones and the accepted draft).
+            request.num_computed_tokens = request.num_tokens - 1
+            self._register_full_pages(request)
             if status is not None:
                 self.finish(request, status)
                 finished.append(request)
+            elif chunk.num_lookahead:
+                self._trim_pages(request)
         return finished
+
+    def _trim_pages(self, request: Request) -> None:
+        """Give back pages that hold no token (rejected draft slots); the newest token's page stays."""
+        keep = self._pages_for(request.num_tokens)
+        if len(request.page_ids) > keep:
+            self.pool.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
+    def check_invariants(self) -> None:
+        """No page leaked or double-held: the pool's references are exactly the requests' pages,
+        and each request holds pages for its computed tokens and at most its known ones."""
+        self.pool.check_invariants()
+        held = [0] * self.pool.num_pages
+        for request in self.requests.values():
+            for page in request.page_ids:
+                held[page] += 1
+            if request.status is RequestStatus.RUNNING:
+                lo, hi = self._pages_for(request.num_computed_tokens), self._pages_for(request.num_tokens)
+                if not lo <= len(request.page_ids) <= hi:
+                    raise AssertionError(
+                        f"request {request.request_id}: {len(request.page_ids)} pages for {request.num_computed_tokens} "
+                        f"computed of {request.num_tokens} tokens"
+                    )
+        if held != self.pool.ref_count:
+            leaked = [p for p in range(self.pool.num_pages) if held[p] != self.pool.ref_count[p]]
+            raise AssertionError(f"pages held by no request or miscounted: {leaked[:16]}")
 
     def _register_full_pages(self, request: Request) -> None:
         if not self.pool.enable_prefix_cache:

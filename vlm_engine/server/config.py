@@ -28,6 +28,10 @@ class ServerConfig:
     attention_backend: str = "auto"
     numerics: str = "fast"  # EngineConfig.numerics: "fast" kernels, or Transformers' "exact" ops
     quantization: str | None = None  # EngineConfig.quantization: "int8" / "int4" weight-only linears
+    speculative: str | None = None  # EngineConfig.speculative: "ngram" | "draft:PATH"
+    num_speculative_tokens: int = 4
+    speculative_ngram_max: int = 4
+    speculative_disable_batch_size: int = 8
 
     # Admission and input limits.
     max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
@@ -112,6 +116,10 @@ class ServerConfig:
             "attention_backend": self.attention_backend,
             "numerics": self.numerics,
             "quantization": self.quantization,
+            "speculative": self.speculative,
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "speculative_ngram_max": self.speculative_ngram_max,
+            "speculative_disable_batch_size": self.speculative_disable_batch_size,
         }
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len

@@ -84,7 +84,16 @@ class Detokenizer:
         text_ids = ids
         if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
             text_ids = ids[:-1]  # EOS / stop tokens end the text, they are not part of it
-        hit_stop = stream.detok.add(text_ids) if text_ids else False
+        logprobs = out.logprobs
+        if len(text_ids) > 1 and stream.detok.stop:  # several tokens (speculative decoding): stop where the text does
+            hit_stop = False
+            for n, token_id in enumerate(text_ids, start=1):
+                if stream.detok.add([token_id]):
+                    hit_stop, ids = True, ids[:n]  # tokens after the stop string never happened
+                    logprobs = logprobs[:n] if logprobs else logprobs
+                    break
+        else:
+            hit_stop = stream.detok.add(text_ids) if text_ids else False
         stream.completion_tokens += len(ids)
         finished, reason = out.finished, out.finish_reason
         if hit_stop:
@@ -104,7 +113,7 @@ class Detokenizer:
             prompt_tokens=stream.params.prompt_tokens,
             cached_tokens=out.cached_tokens,
             completion_tokens=stream.completion_tokens,
-            logprobs=self._logprobs(out.logprobs) if out.logprobs else None,
+            logprobs=self._logprobs(logprobs) if logprobs else None,
             token_ids=ids,
             timing=stream.timing if finished else None,
         )

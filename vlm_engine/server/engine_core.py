@@ -46,12 +46,16 @@ def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
 
 
 def _timing(request: Any) -> ipc.RequestTiming:
+    spec = request.speculation
     return ipc.RequestTiming(
         request.arrival_time,
         request.first_scheduled_time,
         request.first_token_time,
         request.finished_time,
         request.num_preemptions,
+        spec.num_drafts if spec is not None else 0,
+        spec.num_draft_tokens if spec is not None else 0,
+        spec.num_accepted_tokens if spec is not None else 0,
     )
 
 
@@ -116,6 +120,8 @@ class EngineCore:
         self.pool.reset_prefix_cache()
         self.scheduler.reset_counters()  # the metrics start at the first client request
         self.engine.runner.encoder_cache.reset_counters()
+        if self.engine.speculator is not None:
+            self.engine.speculator.reset_counters()
         logger.info("warm-up took %.2f s", time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -213,30 +219,39 @@ class EngineCore:
         plan = step.plan
         t0 = time.perf_counter()
         outputs = self._pending.outputs
-        for request, token in step.tokens:
+        for request, tokens in step.tokens:
             finished = request.status.finished
             logprobs = None
             if request.sampling.logprobs is not None:
-                logprobs = [ipc.SampledLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or [])]
+                logprobs = [ipc.SampledLogprob(t.token_id, t.logprob or 0.0, t.top_logprobs or []) for t in tokens]
+            first = request.num_output_tokens == len(tokens)
             outputs.append(
                 ipc.TokenOutput(
                     request.request_id,
-                    [token.token_id],
+                    [t.token_id for t in tokens],
                     finished,
                     request.finish_reason,
                     request.stop_token_id if finished else None,
                     request.num_cached_tokens,
                     logprobs,
-                    _timing(request) if finished or request.num_output_tokens == 1 else None,
+                    _timing(request) if finished or first else None,
                 )
             )
-        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        decodes = sum(  # decode tokens, drafts included
+            c.num_tokens for c in plan.chunks if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
+        )
         s = self.stats
         s.steps += 1
-        s.generation_tokens += len(step.tokens)
+        s.generation_tokens += sum(len(tokens) for _, tokens in step.tokens)
         s.prefill_tokens += plan.num_tokens - decodes
         s.preemptions += len(plan.preempted)
         s.grammar_mask_s += step.stats.mask_s
+        speculator = self.engine.speculator
+        if speculator is not None:
+            spec = speculator.stats
+            s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens = (
+                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+            )
         if self.config.log_stats:
             s.step_schedule_s.observe(step.stats.schedule_s)
             s.step_forward_s.observe(step.stats.forward_s)
@@ -245,6 +260,10 @@ class EngineCore:
             s.step_prefill_tokens.observe(plan.num_tokens - decodes)
             s.step_cached_tokens.observe(plan.num_cached_tokens)
             s.step_decode_tokens.observe(decodes)
+            if speculator is not None:
+                s.step_spec_propose_s.observe(step.stats.propose_s)
+                for length in speculator.stats.last_step_lengths:
+                    s.spec_acceptance_length.observe(length)
         self._dirty = True
 
     def _fail_batch(self, plan: Any, exc: Exception) -> None:

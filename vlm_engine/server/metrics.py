@@ -64,6 +64,11 @@ class ServerMetrics:
         self.generation_tokens = histogram(
             "request_generation_tokens", "Output length of finished requests", TOKEN_BUCKETS
         )
+        self.spec_acceptance = histogram(
+            "request_spec_acceptance_length",
+            "Speculative decoding: tokens per verification step over a finished request",
+            ipc.ACCEPTANCE_LENGTH_BUCKETS,
+        )
         self.media = Histogram(
             PREFIX + "media_preprocess_seconds",
             "Media preprocessing by kind: image_decode, video_extraction, image_processor (resize/normalize)",
@@ -118,6 +123,8 @@ class ServerMetrics:
             self.prefill.observe(t.first_token - t.first_scheduled)
             if t.finished is not None:
                 self.decode.observe(t.finished - t.first_token)
+        if t is not None and t.spec_drafts:
+            self.spec_acceptance.observe(1 + t.spec_accepted_tokens / t.spec_drafts)
 
 
 # (name, help, CoreStats field) for the core's gauges, counters and per-step histograms.
@@ -144,6 +151,9 @@ _CORE_COUNTERS = [
         "Host time building structured-output token masks (overlapped with the forward)",
         "grammar_mask_s",
     ),
+    ("spec_decode_num_drafts", "Speculative decoding: verified sequences that carried a draft", "spec_drafts"),
+    ("spec_decode_num_draft_tokens", "Speculative decoding: draft tokens proposed and verified", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted", "spec_accepted_tokens"),
 ]
 _CORE_HISTOGRAMS = [
     ("step_schedule_seconds", "Host time in the scheduler, per step", "step_schedule_s"),
@@ -153,6 +163,12 @@ _CORE_HISTOGRAMS = [
     ("step_prefill_tokens", "Prompt tokens computed in a step", "step_prefill_tokens"),
     ("step_cached_tokens", "Prompt tokens newly served from the prefix cache in a step", "step_cached_tokens"),
     ("step_decode_tokens", "Decode tokens in a step", "step_decode_tokens"),
+    ("spec_decode_propose_seconds", "Speculative decoding: proposing drafts, per step", "step_spec_propose_s"),
+    (
+        "spec_decode_acceptance_length",
+        "Speculative decoding: tokens one verification emitted for one sequence (accepted drafts + 1)",
+        "spec_acceptance_length",
+    ),
 ]
 
 

@@ -130,11 +130,48 @@ class GrammarMatcher:
             row[:] = 0
             _set_bits(row, eos if forced == END else [forced], True)
             return
+        self._grammar_mask(row)
+
+    def _grammar_mask(self, row: np.ndarray) -> None:
+        eos = self.compiler.eos_token_ids
         self.m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if self.ignore_eos:
             _set_bits(row, eos, False)
         if not row.any():  # nothing allowed (an error state): let it end rather than sample from -inf
             _set_bits(row, eos, True)
+
+    # ---- speculative decoding ------------------------------------------------------------------
+
+    def can_speculate(self, remaining: int, num_draft: int) -> bool:
+        """True when a draft of `num_draft` tokens stays clear of the closer: outside its window the
+        masks are the grammar's alone, so they can be computed ahead for every drafted position."""
+        window = self.closing.window
+        return window is not None and not self.closing.plan and remaining - num_draft - 1 > window
+
+    def valid_draft(self, draft: list[int]) -> list[int]:
+        """The longest prefix of `draft` the grammar accepts (EOS ends a draft: it ends the request)."""
+        eos = self.compiler.eos_token_ids
+        for i, token in enumerate(draft):
+            if token in eos:
+                draft = draft[:i]
+                break
+        if not draft:
+            return []
+        return draft[: self.m.validate_tokens(draft)]
+
+    def fill_draft_masks(self, rows: np.ndarray, draft: list[int], remaining: int) -> None:
+        """Masks for the next token and after each draft token (rows[i]: after draft[:i]); the
+        matcher is left as it was. The draft was checked by `valid_draft` under `can_speculate`."""
+        self.fill_mask(rows[0], remaining)
+        consumed = 0
+        for i, token in enumerate(draft):
+            if not self.m.consume_token(token):  # not expected; the rows after it are never read
+                rows[i + 1 :] = -1
+                break
+            consumed += 1
+            self._grammar_mask(rows[i + 1])
+        if consumed:
+            self.m.rollback(consumed)
 
     # ---- after sampling --------------------------------------------------------------------
 
@@ -179,10 +216,20 @@ def _set_bits(row: np.ndarray, tokens: list[int], allowed: bool) -> None:
             row[t >> 5] &= ~bit
 
 
-def build_bitmask(items: list[tuple[int, GrammarMatcher, int]], words: int) -> tuple[list[int], np.ndarray]:
-    """Masks for the constrained rows of one step: items are (row, matcher, remaining); returns
-    the rows and their [len(rows), words] int32 bitmask (bit t of a row: token t is allowed)."""
-    bitmask = np.empty((len(items), words), dtype=np.int32)
-    for k, (_, matcher, remaining) in enumerate(items):
-        matcher.fill_mask(bitmask[k], remaining)
-    return [row for row, _, _ in items], bitmask
+def build_bitmask(items: list[tuple[int, GrammarMatcher, int, list[int]]], words: int) -> tuple[list[int], np.ndarray]:
+    """Masks for the constrained rows of one step: items are (first row, matcher, remaining,
+    draft); a request with a draft has one row per drafted position after the first. Returns the
+    rows and their [len(rows), words] int32 bitmask (bit t of a row: token t is allowed)."""
+    total = sum(1 + len(draft) for _, _, _, draft in items)
+    bitmask = np.empty((total, words), dtype=np.int32)
+    rows: list[int] = []
+    k = 0
+    for first, matcher, remaining, draft in items:
+        n = 1 + len(draft)
+        if draft:
+            matcher.fill_draft_masks(bitmask[k : k + n], draft, remaining)
+        else:
+            matcher.fill_mask(bitmask[k], remaining)
+        rows.extend(range(first, first + n))
+        k += n
+    return rows, bitmask

@@ -157,9 +157,8 @@ def _scripted_weights(
 
 def write_scripted_qwen2(path: str | Path, script: str = TOOL_CALL_SCRIPT) -> Path:
     """Write a Qwen2ForCausalLM checkpoint into `path` whose greedy output is `script` + EOS."""
-    import torch
     from tokenizers import AddedToken
-    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     pieces = script_pieces(script)
     out = Path(path)
@@ -178,6 +177,27 @@ def write_scripted_qwen2(path: str | Path, script: str = TOOL_CALL_SCRIPT) -> Pa
     vocab_size = len(tokenizer)
     # One-hot dims: 0 for "outside the script" plus one per piece; whole heads of 32.
     hidden_size = max(MIN_HIDDEN_SIZE, 32 * math.ceil((len(chain) + 1) / 32))
+    embed, lm_head = _scripted_weights(vocab_size, hidden_size, chain, eos_id)
+    save_embedding_only_qwen2(out, tokenizer, embed, lm_head, eos_id, pad_id)
+
+    # The saved tokenizer must reproduce the chain exactly (added tokens survived the round trip).
+    reloaded = AutoTokenizer.from_pretrained(str(out))
+    ids = reloaded(script, add_special_tokens=False)["input_ids"]
+    if ids != chain or reloaded.decode(chain + [eos_id], skip_special_tokens=True) != script:
+        raise RuntimeError(f"scripted tokenizer does not round-trip the script: {ids} != {chain}")
+    return out
+
+
+def save_embedding_only_qwen2(
+    out: Path, tokenizer: Any, embed: torch.Tensor, lm_head: torch.Tensor, eos_id: int, pad_id: int  # noqa: F821
+) -> None:
+    """Save a one-layer Qwen2ForCausalLM whose attention and MLP are zero and norms one, so each
+    position's output is `lm_head @ RMSNorm(embed[token])`: the next token depends on the current
+    one only. No random numbers reach the files."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    vocab_size, hidden_size = embed.shape
     config = Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -199,7 +219,6 @@ def write_scripted_qwen2(path: str | Path, script: str = TOOL_CALL_SCRIPT) -> Pa
     with torch.random.fork_rng(devices=[]):  # construction draws (then discarded) random init
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).to(device="cpu", dtype=torch.float32)
-    embed, lm_head = _scripted_weights(vocab_size, hidden_size, chain, eos_id)
     with torch.no_grad():
         for name, param in model.named_parameters():
             # Norm scales 1; attention, MLP (and biases) 0, so the residual stream is the embedding.
@@ -213,13 +232,6 @@ def write_scripted_qwen2(path: str | Path, script: str = TOOL_CALL_SCRIPT) -> Pa
     model.save_pretrained(str(out), safe_serialization=True)
     _drop_load_time_kwargs(tokenizer)
     tokenizer.save_pretrained(str(out))
-
-    # The saved tokenizer must reproduce the chain exactly (added tokens survived the round trip).
-    reloaded = AutoTokenizer.from_pretrained(str(out))
-    ids = reloaded(script, add_special_tokens=False)["input_ids"]
-    if ids != chain or reloaded.decode(chain + [eos_id], skip_special_tokens=True) != script:
-        raise RuntimeError(f"scripted tokenizer does not round-trip the script: {ids} != {chain}")
-    return out
 
 
 def cached_scripted_qwen2(cache_root: Path | None = None) -> Path:
