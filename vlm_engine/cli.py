@@ -119,6 +119,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.speculative_disable_batch_size,
         help="steps that start with this many running requests do not speculate (the batch is compute-bound)",
     )
+    g.add_argument(
+        "--speculative-draft-quantization",
+        default=None,
+        choices=list(QUANTIZATIONS),
+        help="weight-only int8/int4 linears for the draft model (draft:PATH with the target's own path: a quantized self-draft)",
+    )
     g.add_argument("--no-warmup", action="store_true", help="skip the warm-up request at start")
     a = p.add_argument_group("admission and media")
     a.add_argument(
@@ -219,6 +225,7 @@ def run_serve(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_ngram_max=args.speculative_ngram_max,
         speculative_disable_batch_size=args.speculative_disable_batch_size,
+        speculative_draft_quantization=args.speculative_draft_quantization,
         warmup=not args.no_warmup,
         max_waiting_requests=args.max_waiting_requests,
         limit_mm_per_prompt=args.limit_mm_per_prompt.get("image", ServerConfig.limit_mm_per_prompt),

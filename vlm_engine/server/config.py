@@ -32,6 +32,7 @@ class ServerConfig:
     num_speculative_tokens: int = 4
     speculative_ngram_max: int = 4
     speculative_disable_batch_size: int = 8
+    speculative_draft_quantization: str | None = None
 
     # Admission and input limits.
     max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
@@ -120,6 +121,7 @@ class ServerConfig:
             "num_speculative_tokens": self.num_speculative_tokens,
             "speculative_ngram_max": self.speculative_ngram_max,
             "speculative_disable_batch_size": self.speculative_disable_batch_size,
+            "speculative_draft_quantization": self.speculative_draft_quantization,
         }
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len

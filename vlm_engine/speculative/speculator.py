@@ -102,6 +102,8 @@ class Speculator:
             grammar = chunk.request.grammar
             if grammar is not None and chunk.draft:
                 chunk.set_draft(grammar.valid_draft(chunk.draft))
+            if not chunk.draft:  # nothing to verify: a draft distribution would only go stale
+                chunk.request.runner_state.pop("draft_probs", None)
 
     def observe(self, chunk: ScheduledChunk, num_tokens: int) -> None:
         """A verified chunk emitted `num_tokens` (its accepted drafts and one more)."""
