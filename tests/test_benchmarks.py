@@ -670,3 +670,20 @@ def test_roofline_flags_impossible_step_times() -> None:
     cost = R.ModelCost(10**8, 0, 0, 0, 1, 1, 1, 1)
     assert "IMPLAUSIBLE" in R.roofline(cost, machine, 1, 0, 1e-4, "float32", "client").line()
     assert "IMPLAUSIBLE" not in R.roofline(cost, machine, 1, 0, 0.1, "float32", "client").line()
+
+
+@pytest.mark.slow
+def test_speculative_benchmark_quick(tmp_path: Path) -> None:
+    pytest.importorskip("vlm_engine.server.launcher")
+    import speculative
+
+    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+
+    assert speculative.main(["--quick", "--model", str(cached_qwen2_vl("tiny")), "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    expected = {f"{w}/c={c}/{cfg}" for w in ("extraction", "chat") for c in (1, 2) for cfg in ("off", "ngram")}
+    assert {p["key"] for p in result["points"]} == expected  # --quick starts no 'ngram-forced' server
+    for p in result["points"]:
+        assert p["num_ok"] == p["num_requests"] == 2 and "acceptance_length" in p
+        assert p["median"]["decode_tok_s"] is not None
+    assert result["machine"]["isa_tier"] and (tmp_path / "table.md").exists()
