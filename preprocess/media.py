@@ -19,18 +19,20 @@ import binascii
 import functools
 import io
 import os
+import socket
 import ssl
 import stat
 import time
 from dataclasses import dataclass
 from typing import Union
-from urllib.parse import SplitResult, unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urljoin, urlsplit
 
 import httpx
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from preprocess.errors import MediaError
+from preprocess.url_guard import PinnedUrl, check_domain, pin_url, resolve, split_target
 
 __all__ = ["MediaLimits", "decode_image", "load_image", "load_image_async", "load_media_bytes"]
 
@@ -51,6 +53,11 @@ class MediaLimits:
     # Local files are only served from under this directory (after resolving
     # symlinks and ".."). None refuses every local path.
     allowed_local_media_path: str | None = None
+    # URLs that resolve to loopback, private, link-local, multicast, unspecified or reserved
+    # addresses are refused unless this is set (intranets, tests): see preprocess.url_guard.
+    allow_private_urls: bool = False
+    # When set, only these hosts (and their subdomains) are fetched from.
+    allowed_domains: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_image_bytes <= 0 or self.max_video_bytes <= 0:
@@ -61,6 +68,10 @@ class MediaLimits:
             raise ValueError("fetch_timeout_s must be positive")
         if self.max_redirects < 0:
             raise ValueError("max_redirects must be >= 0")
+        if self.allowed_domains is not None:
+            object.__setattr__(
+                self, "allowed_domains", tuple(d.strip().lower().rstrip(".") for d in self.allowed_domains if d.strip())
+            )
         if self.allowed_local_media_path == "":
             # realpath("") is the CWD; an empty string is far more likely a
             # config mistake than a request to expose the working directory.
@@ -278,8 +289,7 @@ def _ssl_context() -> ssl.SSLContext:
 def _http_client_kwargs(limits: MediaLimits) -> dict:
     return {
         "verify": _ssl_context(),
-        "follow_redirects": True,
-        "max_redirects": limits.max_redirects,
+        "follow_redirects": False,  # followed hop by hop, each hop checked and pinned (url_guard)
         # httpx timeouts apply per connect/read/write/pool operation; the
         # overall deadline is enforced separately while streaming.
         "timeout": httpx.Timeout(limits.fetch_timeout_s),
@@ -320,39 +330,74 @@ def _http_error(exc: BaseException, limits: MediaLimits, kind: str = "image") ->
     return MediaError(f"failed to fetch {kind}: {detail}")
 
 
+def _request_args(pinned: PinnedUrl) -> dict:
+    return {"headers": {"Host": pinned.host_header}, "extensions": {"sni_hostname": pinned.server_name}}
+
+
+def _next_hop(url: str, response: httpx.Response, hops: int, limits: MediaLimits, kind: str) -> str | None:
+    """The redirect target, or None when the response is the answer."""
+    location = response.headers.get("location")
+    if not response.is_redirect or location is None:
+        return None
+    if hops >= limits.max_redirects:
+        raise MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
+    return urljoin(url, location)
+
+
 def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
     body = bytearray()
     try:
         with httpx.Client(**_http_client_kwargs(limits)) as client:
-            with client.stream("GET", url) as response:
-                _check_http_response(response, limits, kind)
-                for chunk in response.iter_bytes():
-                    _append_chunk(body, chunk, limits, deadline, kind)
+            for hops in range(limits.max_redirects + 1):
+                _, host, port = split_target(url, kind)
+                check_domain(host, limits.allowed_domains, kind)
+                pinned = pin_url(url, resolve(host, port), limits.allow_private_urls, kind)
+                with client.stream("GET", pinned.connect_url, **_request_args(pinned)) as response:
+                    target = _next_hop(url, response, hops, limits, kind)
+                    if target is not None:
+                        url = target
+                        continue
+                    _check_http_response(response, limits, kind)
+                    for chunk in response.iter_bytes():
+                        _append_chunk(body, chunk, limits, deadline, kind)
+                    return bytes(body)
     except MediaError:
         raise
-    except Exception as exc:  # httpx, ssl, invalid URLs...: all client-facing
+    except Exception as exc:  # httpx, ssl, DNS, invalid URLs...: all client-facing
         raise _http_error(exc, limits, kind) from exc
-    return bytes(body)
+    raise MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
 
 
 async def _fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.fetch_timeout_s
     body = bytearray()
+    loop = asyncio.get_running_loop()
     try:
         # asyncio.timeout also cancels a stalled await, which the per-chunk
         # deadline check alone cannot do.
         async with asyncio.timeout(limits.fetch_timeout_s):
             async with httpx.AsyncClient(**_http_client_kwargs(limits)) as client:
-                async with client.stream("GET", url) as response:
-                    _check_http_response(response, limits, kind)
-                    async for chunk in response.aiter_bytes():
-                        _append_chunk(body, chunk, limits, deadline, kind)
+                for hops in range(limits.max_redirects + 1):
+                    _, host, port = split_target(url, kind)
+                    check_domain(host, limits.allowed_domains, kind)
+                    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+                    pinned = pin_url(url, addresses, limits.allow_private_urls, kind)
+                    async with client.stream("GET", pinned.connect_url, **_request_args(pinned)) as response:
+                        target = _next_hop(url, response, hops, limits, kind)
+                        if target is not None:
+                            url = target
+                            continue
+                        _check_http_response(response, limits, kind)
+                        async for chunk in response.aiter_bytes():
+                            _append_chunk(body, chunk, limits, deadline, kind)
+                        return bytes(body)
     except MediaError:
         raise
     except Exception as exc:
         raise _http_error(exc, limits, kind) from exc
-    return bytes(body)
+    raise MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
 
 
 # --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from preprocess import (
     load_image,
     load_image_async,
 )
+from preprocess.media import load_media_bytes
 
 RED = (255, 0, 0)
 BLUE = (0, 0, 255)
@@ -101,7 +102,9 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
 HTTP_IMAGE = sample_rgb((10, 7))
 HTTP_PNG = encode(HTTP_IMAGE, "PNG")
 BIG_BODY = 200_000
-SMALL_CAP = MediaLimits(max_image_bytes=50_000)
+SMALL_CAP = MediaLimits(max_image_bytes=50_000, allow_private_urls=True)
+# The test servers listen on loopback, which media fetching refuses unless allowed.
+LOOPBACK = MediaLimits(allow_private_urls=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -138,6 +141,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Location", f"/redirect/{remaining - 1}")
             self.send_header("Content-Length", "0")
             self.end_headers()
+        elif path == "/redirect-to-other-host":  # a public-looking hop that leads elsewhere
+            self.send_response(302)
+            self.send_header("Location", "http://127.0.0.2:9/image.png")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif path == "/host":  # what the client said it was talking to
+            self._send(200, (self.headers.get("Host") or "").encode())
         elif path == "/redirect-to-file":
             self.send_response(302)
             self.send_header("Location", "file:///etc/passwd")
@@ -511,27 +521,27 @@ def test_error_messages_do_not_leak_server_paths(media_dir: Path) -> None:
 
 
 def test_http_ok(http_base: str) -> None:
-    image = load_image(f"{http_base}/image.png")
+    image = load_image(f"{http_base}/image.png", LOOPBACK)
     assert image.tobytes() == HTTP_IMAGE.tobytes()
 
 
 def test_http_404(http_base: str) -> None:
     with pytest.raises(MediaError, match="HTTP 404"):
-        load_image(f"{http_base}/nope.png")
+        load_image(f"{http_base}/nope.png", LOOPBACK)
 
 
 def test_http_redirects(http_base: str) -> None:
-    limits = MediaLimits(max_redirects=3)
+    limits = MediaLimits(allow_private_urls=True, max_redirects=3)
     assert load_image(f"{http_base}/redirect/3", limits).size == HTTP_IMAGE.size
     with pytest.raises(MediaError, match="more than 3 redirects"):
         load_image(f"{http_base}/redirect/5", limits)
     with pytest.raises(MediaError, match="more than 0 redirects"):
-        load_image(f"{http_base}/redirect/1", MediaLimits(max_redirects=0))
+        load_image(f"{http_base}/redirect/1", MediaLimits(allow_private_urls=True, max_redirects=0))
 
 
 def test_http_redirect_cannot_reach_local_files(http_base: str) -> None:
-    with pytest.raises(MediaError, match="failed to fetch image"):
-        load_image(f"{http_base}/redirect-to-file")
+    with pytest.raises(MediaError, match="fetched over http or https only"):
+        load_image(f"{http_base}/redirect-to-file", LOOPBACK)
 
 
 @pytest.mark.parametrize("path", ["/big", "/big-unsized"])
@@ -543,20 +553,20 @@ def test_http_body_over_cap(http_base: str, path: str) -> None:
 def test_http_timeout(http_base: str) -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
-        load_image(f"{http_base}/slow", MediaLimits(fetch_timeout_s=0.2))
+        load_image(f"{http_base}/slow", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.2))
     assert time.monotonic() - start < 2
 
 
 def test_http_trickle_hits_overall_deadline(http_base: str) -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
-        load_image(f"{http_base}/trickle", MediaLimits(fetch_timeout_s=0.3))
+        load_image(f"{http_base}/trickle", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.3))
     assert time.monotonic() - start < 2
 
 
 def test_http_non_image_body(http_base: str) -> None:
     with pytest.raises(MediaError, match="could not decode image"):
-        load_image(f"{http_base}/html")
+        load_image(f"{http_base}/html", LOOPBACK)
 
 
 def test_http_connection_refused() -> None:
@@ -566,7 +576,73 @@ def test_http_connection_refused() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(MediaError, match="failed to fetch image"):
-        load_image(f"http://127.0.0.1:{port}/x.png", MediaLimits(fetch_timeout_s=2))
+        load_image(f"http://127.0.0.1:{port}/x.png", MediaLimits(allow_private_urls=True, fetch_timeout_s=2))
+
+
+PRIVATE_URLS = [
+    "http://localhost:9/x.png",
+    "http://[::1]:9/x.png",
+    "http://10.1.2.3/x.png",
+    "http://192.168.0.1/x.png",
+    "http://169.254.169.254/latest/meta-data",
+    "http://[::ffff:127.0.0.1]/x.png",
+    "http://0.0.0.0/x.png",
+    "http://224.0.0.1/x.png",
+]
+
+
+def test_private_addresses_are_refused_by_default(http_base: str) -> None:
+    for url in [f"{http_base}/image.png", *PRIVATE_URLS]:
+        with pytest.raises(MediaError, match="refusing to fetch image from .*: it resolves to a"):
+            load_image(url)
+        with pytest.raises(MediaError, match="refusing to fetch video from"):
+            load_media_bytes(url, kind="video")
+    with pytest.raises(MediaError, match="it resolves to a link-local address"):
+        asyncio.run(load_image_async("http://169.254.169.254/latest/meta-data"))
+
+
+def test_every_redirect_hop_is_checked(http_base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from preprocess import url_guard
+
+    real = url_guard.forbidden_reason
+    # Let the test server's own address count as public: its redirect to 127.0.0.2 must still be refused.
+    monkeypatch.setattr(url_guard, "forbidden_reason", lambda a: None if a == "127.0.0.1" else real(a))
+    assert load_image(f"{http_base}/image.png").size == HTTP_IMAGE.size
+    refused = "refusing to fetch image from 127.0.0.2: it resolves to a loopback address"
+    with pytest.raises(MediaError, match=refused):
+        load_image(f"{http_base}/redirect-to-other-host")
+    with pytest.raises(MediaError, match=refused):
+        asyncio.run(load_image_async(f"{http_base}/redirect-to-other-host"))
+
+
+def test_the_connection_goes_to_the_checked_address(http_base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host is resolved once per hop, checked, and connected to by address (a second DNS
+    answer cannot redirect the connection); the server still sees the name it was asked by."""
+    from preprocess import media
+
+    port = urlsplit(http_base).port
+    lookups: list[str] = []
+
+    def resolve(host: str, port: int) -> list[str]:
+        lookups.append(host)
+        return ["127.0.0.1"]  # "media.test" exists nowhere else
+
+    monkeypatch.setattr(media, "resolve", resolve)
+    body = load_media_bytes(f"http://media.test:{port}/host", LOOPBACK, kind="video")
+    assert body == f"media.test:{port}".encode() and lookups == ["media.test"]
+
+
+def test_allowed_media_domains(http_base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from preprocess import media
+
+    monkeypatch.setattr(media, "resolve", lambda host, port: ["127.0.0.1"])
+    limits = MediaLimits(allow_private_urls=True, allowed_domains=("Example.org.",))
+    port = urlsplit(http_base).port
+    assert load_image(f"http://cdn.example.org:{port}/image.png", limits).size == HTTP_IMAGE.size
+    assert load_image(f"http://example.org:{port}/image.png", limits).size == HTTP_IMAGE.size
+    for host in ("example.com", "badexample.org", "example.org.evil.com"):
+        with pytest.raises(MediaError, match="not in the allowed media domains"):
+            load_image(f"http://{host}:{port}/image.png", limits)
 
 
 @pytest.mark.parametrize(
@@ -594,7 +670,7 @@ def test_bad_sources(source: object, message: str) -> None:
 
 
 def test_async_sources(http_base: str, media_dir: Path) -> None:
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaLimits(allow_private_urls=True, allowed_local_media_path=str(media_dir))
     expected_local = sample_rgb().tobytes()
 
     async def main() -> list[Image.Image]:
@@ -615,13 +691,13 @@ def test_async_sources(http_base: str, media_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("path", "limits", "message"),
     [
-        ("/nope.png", MediaLimits(), "HTTP 404"),
-        ("/redirect/5", MediaLimits(max_redirects=3), "more than 3 redirects"),
+        ("/nope.png", LOOPBACK, "HTTP 404"),
+        ("/redirect/5", MediaLimits(allow_private_urls=True, max_redirects=3), "more than 3 redirects"),
         ("/big-unsized", SMALL_CAP, "image too large"),
         ("/big", SMALL_CAP, "image too large"),
-        ("/slow", MediaLimits(fetch_timeout_s=0.2), "timed out"),
-        ("/trickle", MediaLimits(fetch_timeout_s=0.3), "timed out"),
-        ("/html", MediaLimits(), "could not decode image"),
+        ("/slow", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.2), "timed out"),
+        ("/trickle", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.3), "timed out"),
+        ("/html", LOOPBACK, "could not decode image"),
     ],
 )
 def test_async_http_errors(http_base: str, path: str, limits: MediaLimits, message: str) -> None:
@@ -657,7 +733,7 @@ def test_hash_equal_across_sources(http_base: str, media_dir: Path) -> None:
         image_content_hash(asyncio.run(load_image_async(str(media_dir / "pic.png"), limits))),
     }
     assert len(digests) == 1
-    assert image_content_hash(load_image(f"{http_base}/image.png")) == image_content_hash(HTTP_IMAGE)
+    assert image_content_hash(load_image(f"{http_base}/image.png", LOOPBACK)) == image_content_hash(HTTP_IMAGE)
 
 
 def test_hash_sensitive_to_pixels_mode_and_size() -> None:

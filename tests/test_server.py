@@ -56,6 +56,7 @@ def server(tiny_vlm_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         str(MAX_MODEL_LEN),
         "--allowed-local-media-path",
         str(media_dir),
+        "--allow-private-media-urls",  # the image URLs below are served from loopback
         "--limit-mm-per-prompt",
         "2",
         "--max-image-bytes",

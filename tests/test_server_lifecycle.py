@@ -23,7 +23,8 @@ from tests.server_helpers import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SMALL_SERVER = ("--kv-cache-tokens", "8192", "--max-model-len", "4096")
+# The slow image below is served from loopback, which media fetching refuses unless allowed.
+SMALL_SERVER = ("--kv-cache-tokens", "8192", "--max-model-len", "4096", "--allow-private-media-urls")
 LONG = 4000  # tokens: runs for several seconds, far past any grace period here
 
 

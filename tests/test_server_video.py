@@ -68,6 +68,7 @@ def server(tiny_vlm_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         "tiny-vlm",
         "--kv-cache-tokens",
         "8192",
+        "--allow-private-media-urls",  # the video URLs below are served from loopback
         "--limit-mm-per-prompt",
         "image=2,video=1",
         "--max-video-seconds",

@@ -166,6 +166,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     a.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s)
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
+    a.add_argument(
+        "--allow-private-media-urls",
+        action="store_true",
+        help="let media URLs reach loopback, private and link-local addresses (refused by default: SSRF)",
+    )
+    a.add_argument(
+        "--allowed-media-domains",
+        default=None,
+        help="comma-separated hosts media may be fetched from (a domain admits its subdomains)",
+    )
     a.add_argument("--max-n", type=_positive_int, default=d.max_n, help="most choices per request")
     a.add_argument("--max-request-bytes", type=_positive_int, default=d.max_request_bytes)
     a.add_argument(
@@ -241,6 +251,8 @@ def run_serve(args: argparse.Namespace) -> int:
         max_image_bytes=args.max_image_bytes,
         media_fetch_timeout_s=args.media_fetch_timeout,
         max_redirects=args.max_redirects,
+        allow_private_media_urls=args.allow_private_media_urls,
+        allowed_media_domains=tuple(args.allowed_media_domains.split(",")) if args.allowed_media_domains else None,
         max_n=args.max_n,
         tool_call_parser=args.tool_call_parser,
         app=args.app,

@@ -49,6 +49,8 @@ class ServerConfig:
     video_frame_cache_bytes: int = 512 * 1024 * 1024  # decoded frames kept per worker for repeats
     video_device: str = "auto"  # resize/normalize of frames: auto (CUDA when present) | cpu | cuda
     media_fetch_timeout_s: float = 10.0
+    allow_private_media_urls: bool = False  # fetch from loopback/private/link-local addresses (intranets, tests)
+    allowed_media_domains: tuple[str, ...] | None = None  # only these hosts (and subdomains); None: any public one
     max_redirects: int = 3
     max_n: int = 16  # most choices (n x prompts) in one request
     max_request_bytes: int = 64 * 1024 * 1024  # JSON body cap (413 above it); images come base64-encoded
@@ -136,6 +138,8 @@ class ServerConfig:
             fetch_timeout_s=self.media_fetch_timeout_s,
             max_redirects=self.max_redirects,
             allowed_local_media_path=self.allowed_local_media_path,
+            allow_private_urls=self.allow_private_media_urls,
+            allowed_domains=self.allowed_media_domains,
         )
 
     def video_limits(self) -> Any:
