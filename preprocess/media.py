@@ -47,8 +47,10 @@ class MediaLimits:
     # width*height cap checked from the header before the full decode
     # (decompression-bomb guard).
     max_image_pixels: int = 40_000_000
-    # Per network operation *and* overall budget of one download.
-    fetch_timeout_s: float = 10.0
+    # Per network operation *and* overall budget of one download: images, then videos (vLLM's
+    # defaults, 5 and 30 s).
+    fetch_timeout_s: float = 5.0
+    video_fetch_timeout_s: float = 30.0
     max_redirects: int = 3
     # Local files are only served from under this directory (after resolving
     # symlinks and ".."). None refuses every local path.
@@ -64,8 +66,8 @@ class MediaLimits:
             raise ValueError("max_image_bytes and max_video_bytes must be positive")
         if self.max_image_pixels <= 0:
             raise ValueError("max_image_pixels must be positive")
-        if self.fetch_timeout_s <= 0:
-            raise ValueError("fetch_timeout_s must be positive")
+        if self.fetch_timeout_s <= 0 or self.video_fetch_timeout_s <= 0:
+            raise ValueError("fetch_timeout_s and video_fetch_timeout_s must be positive")
         if self.max_redirects < 0:
             raise ValueError("max_redirects must be >= 0")
         if self.allowed_domains is not None:
@@ -79,6 +81,9 @@ class MediaLimits:
 
     def max_bytes(self, kind: str) -> int:
         return self.max_video_bytes if kind == "video" else self.max_image_bytes
+
+    def timeout_s(self, kind: str) -> float:
+        return self.video_fetch_timeout_s if kind == "video" else self.fetch_timeout_s
 
 
 DEFAULT_LIMITS = MediaLimits()
@@ -286,13 +291,13 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _http_client_kwargs(limits: MediaLimits) -> dict:
+def _http_client_kwargs(limits: MediaLimits, kind: str) -> dict:
     return {
         "verify": _ssl_context(),
         "follow_redirects": False,  # followed hop by hop, each hop checked and pinned (url_guard)
         # httpx timeouts apply per connect/read/write/pool operation; the
         # overall deadline is enforced separately while streaming.
-        "timeout": httpx.Timeout(limits.fetch_timeout_s),
+        "timeout": httpx.Timeout(limits.timeout_s(kind)),
         "headers": _HTTP_HEADERS,
     }
 
@@ -318,7 +323,7 @@ def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: 
 
 
 def _fetch_timeout(limits: MediaLimits, kind: str = "image") -> MediaError:
-    return MediaError(f"timed out fetching {kind} (limit {limits.fetch_timeout_s:g}s)")
+    return MediaError(f"timed out fetching {kind} (limit {limits.timeout_s(kind):g}s)")
 
 
 def _http_error(exc: BaseException, limits: MediaLimits, kind: str = "image") -> MediaError:
@@ -345,10 +350,10 @@ def _next_hop(url: str, response: httpx.Response, hops: int, limits: MediaLimits
 
 
 def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
-    deadline = time.monotonic() + limits.fetch_timeout_s
+    deadline = time.monotonic() + limits.timeout_s(kind)
     body = bytearray()
     try:
-        with httpx.Client(**_http_client_kwargs(limits)) as client:
+        with httpx.Client(**_http_client_kwargs(limits, kind)) as client:
             for hops in range(limits.max_redirects + 1):
                 _, host, port = split_target(url, kind)
                 check_domain(host, limits.allowed_domains, kind)
@@ -370,14 +375,14 @@ def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
 
 
 async def _fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
-    deadline = time.monotonic() + limits.fetch_timeout_s
+    deadline = time.monotonic() + limits.timeout_s(kind)
     body = bytearray()
     loop = asyncio.get_running_loop()
     try:
         # asyncio.timeout also cancels a stalled await, which the per-chunk
         # deadline check alone cannot do.
-        async with asyncio.timeout(limits.fetch_timeout_s):
-            async with httpx.AsyncClient(**_http_client_kwargs(limits)) as client:
+        async with asyncio.timeout(limits.timeout_s(kind)):
+            async with httpx.AsyncClient(**_http_client_kwargs(limits, kind)) as client:
                 for hops in range(limits.max_redirects + 1):
                     _, host, port = split_target(url, kind)
                     check_domain(host, limits.allowed_domains, kind)

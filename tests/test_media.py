@@ -557,6 +557,15 @@ def test_http_timeout(http_base: str) -> None:
     assert time.monotonic() - start < 2
 
 
+def test_fetch_timeouts_are_per_kind(http_base: str) -> None:
+    assert (MediaLimits().timeout_s("image"), MediaLimits().timeout_s("video")) == (5.0, 30.0)  # vLLM's
+    limits = MediaLimits(allow_private_urls=True, fetch_timeout_s=30, video_fetch_timeout_s=0.2)
+    start = time.monotonic()
+    with pytest.raises(MediaError, match=r"timed out fetching video \(limit 0.2s\)"):
+        load_media_bytes(f"{http_base}/slow", limits, kind="video")
+    assert time.monotonic() - start < 2
+
+
 def test_http_trickle_hits_overall_deadline(http_base: str) -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):

@@ -77,7 +77,7 @@ def server(tiny_vlm_dir: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         "400000",
         "--max-video-pixels",
         str(12 * 96 * 64),
-        "--media-fetch-timeout",
+        "--video-fetch-timeout",
         "1",
         "--allowed-local-media-path",
         str(media_dir),

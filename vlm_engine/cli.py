@@ -164,7 +164,12 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.video_frame_cache_bytes // 2**20,
         help="decoded frames each worker keeps for repeated videos (0: none)",
     )
-    a.add_argument("--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s)
+    a.add_argument(
+        "--media-fetch-timeout", type=float, default=d.media_fetch_timeout_s, help="seconds for an image URL's download"
+    )
+    a.add_argument(
+        "--video-fetch-timeout", type=float, default=d.video_fetch_timeout_s, help="seconds for a video URL's download"
+    )
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
     a.add_argument(
         "--allow-private-media-urls",
@@ -250,6 +255,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_local_media_path=args.allowed_local_media_path,
         max_image_bytes=args.max_image_bytes,
         media_fetch_timeout_s=args.media_fetch_timeout,
+        video_fetch_timeout_s=args.video_fetch_timeout,
         max_redirects=args.max_redirects,
         allow_private_media_urls=args.allow_private_media_urls,
         allowed_media_domains=tuple(args.allowed_media_domains.split(",")) if args.allowed_media_domains else None,

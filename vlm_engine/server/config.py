@@ -48,7 +48,8 @@ class ServerConfig:
     max_video_pixels: int = 256 * 1280 * 720  # sampled frames x width x height, per video
     video_frame_cache_bytes: int = 512 * 1024 * 1024  # decoded frames kept per worker for repeats
     video_device: str = "auto"  # resize/normalize of frames: auto (CUDA when present) | cpu | cuda
-    media_fetch_timeout_s: float = 10.0
+    media_fetch_timeout_s: float = 5.0  # an image URL's whole download (vLLM's default)
+    video_fetch_timeout_s: float = 30.0
     allow_private_media_urls: bool = False  # fetch from loopback/private/link-local addresses (intranets, tests)
     allowed_media_domains: tuple[str, ...] | None = None  # only these hosts (and subdomains); None: any public one
     max_redirects: int = 3
@@ -136,6 +137,7 @@ class ServerConfig:
             max_image_bytes=self.max_image_bytes,
             max_video_bytes=self.max_video_bytes,
             fetch_timeout_s=self.media_fetch_timeout_s,
+            video_fetch_timeout_s=self.video_fetch_timeout_s,
             max_redirects=self.max_redirects,
             allowed_local_media_path=self.allowed_local_media_path,
             allow_private_urls=self.allow_private_media_urls,
