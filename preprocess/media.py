@@ -34,7 +34,15 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 from preprocess.errors import MediaError
 from preprocess.url_guard import PinnedUrl, check_domain, pin_url, resolve, split_target
 
-__all__ = ["MediaLimits", "decode_image", "load_image", "load_image_async", "load_media_bytes"]
+__all__ = [
+    "MediaLimits",
+    "decode_image",
+    "fetch_http_async",
+    "is_http_url",
+    "load_image",
+    "load_image_async",
+    "load_media_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,10 @@ def _split_url(url: str) -> SplitResult:
         return urlsplit(url)
     except ValueError:
         raise MediaError("invalid image URL") from None
+
+
+def is_http_url(source: str) -> bool:
+    return _scheme_of(source) in ("http", "https")
 
 
 def _scheme_of(source: str) -> str:
@@ -374,7 +386,9 @@ def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     raise MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
 
 
-async def _fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+async def fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+    """The body an http(s) URL answers with, under every check `load_image` applies to URLs
+    (the server's API process fetches with it: vlm_engine.server.media_fetch)."""
     deadline = time.monotonic() + limits.timeout_s(kind)
     body = bytearray()
     loop = asyncio.get_running_loop()
@@ -550,11 +564,14 @@ def _load_offline(source: _Source, limits: MediaLimits) -> Image.Image:
     return decode_image(data, limits)
 
 
-def load_image(source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
-    """Load, validate and decode an image into a new RGB ``PIL.Image``.
+def load_image(source: str | bytes | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Load, validate and decode an image into a new RGB ``PIL.Image``. ``bytes`` are an encoded
+    image (e.g. what the server's API process already fetched from a URL).
 
     Raises ``MediaError`` (and nothing else) for any problem with the source.
     """
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return decode_image(bytes(source), limits)
     parsed = _parse_source(source)
     if isinstance(parsed, _HttpUrl):
         return decode_image(_fetch_http(parsed.url, limits), limits)
@@ -565,7 +582,7 @@ async def load_image_async(source: str | Image.Image, limits: MediaLimits = DEFA
     """Async ``load_image``: network I/O on the event loop, decoding in a thread."""
     parsed = _parse_source(source)
     if isinstance(parsed, _HttpUrl):
-        data = await _fetch_http_async(parsed.url, limits)
+        data = await fetch_http_async(parsed.url, limits)
         return await asyncio.to_thread(decode_image, data, limits)
     return await asyncio.to_thread(_load_offline, parsed, limits)
 

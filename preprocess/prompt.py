@@ -100,6 +100,7 @@ class PromptProcessor:
         self._labeller: Any = None
         # (kind, seconds) per media step since the last take_media_timings(): the server's metrics.
         self.media_timings: list[tuple[str, float]] = []
+        self._media_deadline: float | None = None  # the request being converted (from_messages)
 
     @property
     def is_multimodal(self) -> bool:
@@ -124,11 +125,18 @@ class PromptProcessor:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
+        media_deadline: float | None = None,
     ) -> ProcessedPrompt:
         """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does.
         `mm_processor_kwargs` may set the video sampling (`fps`, `max_frames`) for every video part
-        that does not set its own."""
-        hf_messages, images, videos = self._convert_messages(messages, self._request_sampling(mm_processor_kwargs))
+        that does not set its own. `media_deadline` (time.monotonic()) bounds the time spent loading
+        and decoding this request's media: checked before each part and between decoded frames."""
+        self._media_deadline = media_deadline
+        try:
+            converted = self._convert_messages(messages, self._request_sampling(mm_processor_kwargs))
+        finally:
+            self._media_deadline = None
+        hf_messages, images, videos = converted
         template_owner = self.processor if self.is_multimodal else self.tokenizer
         extra = {"tools": tools} if tools else {}
         try:
@@ -176,6 +184,10 @@ class PromptProcessor:
             yield
         finally:
             self.media_timings.append((kind, time.perf_counter() - t0))
+
+    def _check_budget(self, where: str) -> None:
+        if self._media_deadline is not None and time.monotonic() > self._media_deadline:
+            raise PromptError(f"{where}: {BUDGET_SPENT}", param=where)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -262,8 +274,9 @@ class PromptProcessor:
             source = part.get("image_url") if kind == "image_url" else part.get("image")
             if isinstance(source, dict):
                 source = source.get("url")
-            if not isinstance(source, (str, Image.Image)):
+            if not isinstance(source, (str, bytes, Image.Image)):  # bytes: fetched by the API process
                 raise PromptError(f"{where} needs an image url", param=where)
+            self._check_budget(where)
             try:
                 with self._timed("image_decode"):
                     images.append(load_image(source, self.limits))
@@ -297,6 +310,7 @@ class PromptProcessor:
         if not isinstance(source, (str, bytes, bytearray)):
             raise PromptError(f"{where} needs a video url", param=where)
         wanted = self._sampling_from(fields, sampling, where) if fields else sampling
+        self._check_budget(where)
         choose, sampler_id = uniform_indices, "uniform"
         if not self.labels_images:
             choose, sampler_id = (
@@ -306,7 +320,9 @@ class PromptProcessor:
         try:
             with self._timed("video_extraction"):
                 data = load_media_bytes(source, self.limits, "video")
-                return load_video(data, wanted, choose, self.video_limits, self.frame_cache, sampler_id)
+                return load_video(
+                    data, wanted, choose, self.video_limits, self.frame_cache, sampler_id, self._media_deadline
+                )
         except MediaError as exc:
             raise PromptError(f"{where}: {exc.message}", param=where) from exc
 
@@ -403,6 +419,7 @@ class PromptProcessor:
         return prompt
 
 
+BUDGET_SPENT = "the request's media time budget ran out (too much media, or media too slow to load)"
 _IMAGE_MARKER = "\x00image\x00"  # where an image sits in the rendered template (label-span models)
 _VIDEO_MARKER = "\x00video\x00"
 

@@ -18,6 +18,7 @@ import bisect
 import hashlib
 import io
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -279,7 +280,11 @@ def _groups_by_keyframe(targets: Sequence[int], keys: Sequence[int]) -> list[tup
 
 
 def decode_frames(
-    data: bytes, info: VideoInfo, indices: Sequence[int], limits: VideoLimits | None = None
+    data: bytes,
+    info: VideoInfo,
+    indices: Sequence[int],
+    limits: VideoLimits | None = None,
+    deadline: float | None = None,
 ) -> DecodedVideo:
     """Decodes the frames at `indices` (presentation order) and no more than it must."""
     import av
@@ -316,6 +321,8 @@ def decode_frames(
             container.seek(key, stream=stream, backward=True, any_frame=False)
             ctx.flush_buffers()
             for packet in container.demux(stream):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise MediaError("the request's media time budget ran out while decoding the video")
                 # Frames nobody references and nobody asked for need not be reconstructed.
                 ctx.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in rows else "NONREF"
                 for frame in packet.decode():
@@ -421,8 +428,10 @@ def load_video(
     limits: VideoLimits | None = None,
     cache: FrameCache | None = None,
     sampler_id: str = "uniform",
+    deadline: float | None = None,
 ) -> DecodedVideo:
-    """Probe, choose, decode; through `cache` when given (the key is the file's hash, not its URL)."""
+    """Probe, choose, decode; through `cache` when given (the key is the file's hash, not its URL).
+    `deadline` (time.monotonic()): decoding stops with a MediaError once it has passed."""
     limits = limits or VideoLimits()
     if sampling.max_frames > limits.max_frames:
         raise MediaError(f"max_frames {sampling.max_frames} is above this server's limit of {limits.max_frames}")
@@ -430,7 +439,7 @@ def load_video(
     if cache is not None and (hit := cache.get(key)) is not None:
         return hit
     info = probe(data, limits)
-    video = decode_frames(data, info, choose(info, sampling), limits)
+    video = decode_frames(data, info, choose(info, sampling), limits, deadline)
     if cache is not None:
         cache.put(key, video)
     return video

@@ -663,7 +663,7 @@ def test_allowed_media_domains(http_base: str, monkeypatch: pytest.MonkeyPatch) 
         ("https://[zz]/a.png", "invalid image URL"),
         ("javascript:alert(1)", "unsupported image URL scheme 'javascript'"),
         ("", "empty image source"),
-        (b"data:image/png;base64,AAAA", "unsupported image source type bytes"),
+        (b"data:image/png;base64,AAAA", "could not decode image"),  # bytes are an encoded image, not a URI
         (None, "unsupported image source type NoneType"),
         (42, "unsupported image source type int"),
     ],

@@ -119,6 +119,7 @@ def test_queue_full_503_then_sigterm_drains_and_leaves_no_children(tiny_vlm_dir:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         assert info.value.status_code == 503
         assert info.value.response.json()["error"]["code"] == "server_overloaded"
+        assert info.value.response.headers["retry-after"] == "1"  # backpressure says when to come back
         runners[0].hang_up.set()  # its client leaves: the queued request gets the seat and finishes
         waiting.join(30)
         assert waiting.finish_reasons == ["length"] and waiting.events[-1] == "[DONE]"

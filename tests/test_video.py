@@ -5,6 +5,7 @@ caches, and the cost of decoding (only the frames needed)."""
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,13 @@ def test_limits_name_the_reason() -> None:
         load_video(data, VideoSampling(4, 8), limits=VideoLimits(max_decoded_pixels=96 * 64 * 4))
     with pytest.raises(MediaError, match="limit of 4"):
         load_video(data, VideoSampling(2, 8), limits=VideoLimits(max_frames=4))
+
+
+def test_a_spent_media_budget_stops_the_decode() -> None:
+    data = make_clip(width=96, height=64, fps=10, seconds=2)
+    with pytest.raises(MediaError, match="media time budget ran out"):
+        load_video(data, VideoSampling(2, 8), deadline=time.monotonic() - 1)
+    assert len(load_video(data, VideoSampling(2, 8), deadline=time.monotonic() + 60).indices) == 4
 
 
 # ---- greedy parity with Transformers --------------------------------------------------------------

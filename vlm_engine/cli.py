@@ -172,6 +172,18 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     a.add_argument("--max-redirects", type=int, default=d.max_redirects)
     a.add_argument(
+        "--media-time-budget",
+        type=float,
+        default=d.media_time_budget_s,
+        help="seconds one request's media may take to fetch and decode, all parts together (0: no budget)",
+    )
+    a.add_argument(
+        "--max-concurrent-media-fetches",
+        type=int,
+        default=d.max_concurrent_media_fetches,
+        help="media URL downloads in flight at once, over all requests (more wait their turn)",
+    )
+    a.add_argument(
         "--allow-private-media-urls",
         action="store_true",
         help="let media URLs reach loopback, private and link-local addresses (refused by default: SSRF)",
@@ -257,6 +269,8 @@ def run_serve(args: argparse.Namespace) -> int:
         media_fetch_timeout_s=args.media_fetch_timeout,
         video_fetch_timeout_s=args.video_fetch_timeout,
         max_redirects=args.max_redirects,
+        media_time_budget_s=args.media_time_budget,
+        max_concurrent_media_fetches=args.max_concurrent_media_fetches,
         allow_private_media_urls=args.allow_private_media_urls,
         allowed_media_domains=tuple(args.allowed_media_domains.split(",")) if args.allowed_media_domains else None,
         max_n=args.max_n,

@@ -76,6 +76,9 @@ class PreprocessRequest(Message):
     mm_processor_kwargs: Any = None  # chat: video sampling overrides (fps, max_frames), checked by the worker
     worker: int = 0  # which worker got it (echoed in PreprocessDone for load balancing)
     want_token_ids: bool = False  # echo the prompt's token ids in PreprocessDone (request log, return_token_ids)
+    # time.monotonic() (one clock for every process on the host) by which the request's media must
+    # be loaded and decoded: its media time budget, counted from its arrival (fetching included).
+    media_deadline: float | None = None
 
 
 # ---- worker -> core --------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class RequestRecord:
     error: ipc.RequestError | None = None
     preprocess: ipc.PreprocessDone | None = None
     timing: ipc.RequestTiming | None = None  # the engine core's timestamps
+    media_fetch_s: float | None = None  # downloading the prompt's http(s) media, in the API process
     output_token_ids: list[int] | None = None  # kept only when a sink wants token ids
 
     @property
@@ -74,6 +75,12 @@ class RequestTracker:
             record = self.live.get(f"{done.request_id}-{i}")
             if record is not None:
                 record.preprocess = done
+
+    def on_media_fetched(self, engine_ids: list[str], seconds: float) -> None:
+        """A prompt's downloads (one per prompt, so only its first choice carries them)."""
+        record = self.live.get(engine_ids[0]) if engine_ids else None
+        if record is not None:
+            record.media_fetch_s = seconds
 
     def on_delta(self, delta: ipc.Delta, now: float | None = None) -> None:
         record = self.live.get(delta.request_id)

@@ -370,7 +370,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -390,7 +390,9 @@ def build_app(state: ServerState) -> FastAPI:
         if state.draining:
             raise P.ApiError(503, "the server is shutting down", type="server_error")
         if not client.ready:
-            raise P.ApiError(503, "the model is still loading", type="server_error")
+            raise P.ApiError(
+                503, "the model is still loading", type="server_error", headers={"Retry-After": str(config.retry_after_s)}
+            )
 
     async def read_json(request: Request) -> Any:
         length = request.headers.get("content-length")
@@ -420,7 +422,11 @@ def build_app(state: ServerState) -> FastAPI:
             parsed = P.parse_completion(body, config.model_name, config.max_n)
         if client.num_waiting + parsed.num_choices > config.max_waiting_requests:
             raise P.ApiError(
-                503, "too many requests are waiting; try again later", type="server_error", code="server_overloaded"
+                503,
+                "too many requests are waiting; try again later",
+                type="server_error",
+                code="server_overloaded",
+                headers={"Retry-After": str(config.retry_after_s)},
             )
         request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         return await Generation(state, request, parsed, request_id).respond()

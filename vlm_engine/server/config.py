@@ -53,6 +53,11 @@ class ServerConfig:
     allow_private_media_urls: bool = False  # fetch from loopback/private/link-local addresses (intranets, tests)
     allowed_media_domains: tuple[str, ...] | None = None  # only these hosts (and subdomains); None: any public one
     max_redirects: int = 3
+    # One request's media, fetch and decode together; past it the request is a 400 (0: no budget).
+    media_time_budget_s: float = 60.0
+    max_concurrent_media_fetches: int = 64  # URL downloads in flight in the API process
+    # Backpressure: the Retry-After a 503 "overloaded" answer suggests, in seconds.
+    retry_after_s: int = 1
     max_n: int = 16  # most choices (n x prompts) in one request
     max_request_bytes: int = 64 * 1024 * 1024  # JSON body cap (413 above it); images come base64-encoded
     tool_call_parser: str = "hermes"  # how tool_choice="auto" finds calls in text (server.tool_parsers)
@@ -88,6 +93,8 @@ class ServerConfig:
             raise ValueError("limit_mm_per_prompt must be >= 0 for every modality")
         if self.log_stats_interval_s < 0:
             raise ValueError("log_stats_interval_s must be >= 0")
+        if self.media_time_budget_s < 0 or self.max_concurrent_media_fetches < 1:
+            raise ValueError("media_time_budget_s must be >= 0 and max_concurrent_media_fetches >= 1")
         if not self.video_fps > 0 or self.video_max_frames < 1:
             raise ValueError("video_fps must be positive and video_max_frames at least 1")
         from vlm_engine.server.apps import APPS

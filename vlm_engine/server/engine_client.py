@@ -4,12 +4,18 @@ Each OpenAI request gets one asyncio queue; every choice is an engine request `"
 routed to that queue. Sends use plain (non-async) ZMQ PUSH sockets with no high-water mark, so
 they never block and can run inside a cancelled task's cleanup; the one receiving socket is
 read by a single asyncio task.
+
+A prompt with http(s) media is first fetched here (`media_fetch`, one task per prompt, cancelled
+when the request goes away) and reaches a worker with the bytes. The client remembers which
+worker holds which prompt until its `PreprocessDone`, so when a worker dies (the launcher restarts
+it) exactly the prompts it held get an error and nothing else is disturbed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +24,7 @@ import zmq.asyncio
 
 from vlm_engine import ipc
 from vlm_engine.metrics.request_tracker import RequestTracker
+from vlm_engine.server.media_fetch import MediaFetcher, MediaFetchError, remote_parts
 from vlm_engine.server.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -31,13 +38,21 @@ class RequestHandle:
     engine_ids: list[str]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     prompt_token_ids: dict[int, list[int]] = field(default_factory=dict)  # by choice, when asked for
+    fetches: list[asyncio.Task] = field(default_factory=list)  # media downloads before a worker gets a prompt
 
     def index_of(self, engine_id: str) -> int:
         return int(engine_id.rsplit("-", 1)[1])
 
 
 class EngineClient:
-    def __init__(self, paths: ipc.IpcPaths, num_workers: int, tracker: RequestTracker | None = None) -> None:
+    def __init__(
+        self,
+        paths: ipc.IpcPaths,
+        num_workers: int,
+        tracker: RequestTracker | None = None,
+        fetcher: MediaFetcher | None = None,
+        media_time_budget_s: float | None = None,
+    ) -> None:
         self.paths = paths
         self.num_workers = num_workers
         self._sync_ctx = zmq.Context()
@@ -47,11 +62,16 @@ class EngineClient:
         self.inbox.bind(paths.api)
         self.to_core = self._push(paths.core)
         self.to_workers = [self._push(paths.worker(i)) for i in range(num_workers)]
-        self.outstanding = [0] * num_workers  # preprocess jobs sent but not done, per worker
+        # Per worker: the prompts sent to it and not done yet, (request id, first index) -> engine ids.
+        self.assigned: list[dict[tuple[str, int], list[str]]] = [{} for _ in range(num_workers)]
+        self.fetcher = fetcher
+        self.media_time_budget_s = media_time_budget_s
         self.decoder = ipc.Decoder(ipc.ApiInbound)
         self.routes: dict[str, RequestHandle] = {}
         self.core_info: ipc.CoreReady | None = None
         self.ready_workers: set[int] = set()
+        self.workers_started = False  # every worker reported ready once (start-up is over)
+        self.worker_restarts = 0
         self.stats = ipc.CoreStats()
         self.tracker = tracker or RequestTracker()
         # A /start_profile or /stop_profile call in progress: (answers so far, done, answers expected).
@@ -78,7 +98,14 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return self.core_info is not None and len(self.ready_workers) == self.num_workers
+        """Serving: the core is up, start-up saw every worker, and one is up now (a restarting
+        worker's share waits in its socket or goes to the others)."""
+        return self.core_info is not None and self.workers_started and bool(self.ready_workers)
+
+    @property
+    def outstanding(self) -> list[int]:
+        """Prompts sent to each worker and not done."""
+        return [len(a) for a in self.assigned]
 
     @property
     def num_inflight(self) -> int:
@@ -99,9 +126,8 @@ class EngineClient:
             self.routes[rid] = handle
             self.tracker.start(rid)
         want_token_ids = request.return_token_ids or self.tracker.keep_token_ids
+        deadline = None if self.media_time_budget_s is None else time.monotonic() + self.media_time_budget_s
         for p, prompt in enumerate(request.prompts):
-            worker = min(range(self.num_workers), key=self.outstanding.__getitem__)
-            self.outstanding[worker] += 1
             msg = ipc.PreprocessRequest(
                 request_id=request_id,
                 first_index=p * request.n,
@@ -111,19 +137,77 @@ class EngineClient:
                 prompt=prompt if request.kind == "completion" else None,
                 tools=request.tools,
                 mm_processor_kwargs=request.mm_processor_kwargs,
-                worker=worker,
                 want_token_ids=want_token_ids,
+                media_deadline=deadline,
             )
-            self.to_workers[worker].send_multipart(ipc.encode(msg))
+            prompt_ids = ids[p * request.n : (p + 1) * request.n]
+            if self.fetcher is not None and request.kind == "chat" and remote_parts(prompt):
+                task = asyncio.get_running_loop().create_task(self._fetch_then_send(msg, prompt_ids))
+                handle.fetches.append(task)
+            else:
+                self._send_to_worker(msg, prompt_ids)
         return handle
+
+    def _send_to_worker(self, msg: ipc.PreprocessRequest, engine_ids: list[str]) -> None:
+        """To the live worker holding the fewest prompts (any worker while none is live: the
+        message then waits in the restarting worker's socket)."""
+        live = [w for w in range(self.num_workers) if w in self.ready_workers] or list(range(self.num_workers))
+        worker = min(live, key=lambda w: len(self.assigned[w]))
+        msg.worker = worker
+        self.assigned[worker][(msg.request_id, msg.first_index)] = engine_ids
+        self.to_workers[worker].send_multipart(ipc.encode(msg))
+
+    async def _fetch_then_send(self, msg: ipc.PreprocessRequest, engine_ids: list[str]) -> None:
+        assert self.fetcher is not None
+        try:
+            msg.messages, seconds = await self.fetcher.fetch_all(msg.messages, msg.media_deadline)
+        except MediaFetchError as exc:
+            for rid in engine_ids:
+                self._route_error(ipc.RequestError(rid, 400, exc.message, "invalid_request_error", exc.param))
+            return
+        except Exception as exc:  # a bug here must answer the request, not leave it waiting forever
+            logger.exception("fetching media for %s failed", msg.request_id)
+            for rid in engine_ids:
+                self._route_error(ipc.RequestError(rid, 500, f"fetching media failed: {type(exc).__name__}"))
+            return
+        self.tracker.on_media_fetched(engine_ids, seconds)
+        if any(rid in self.routes for rid in engine_ids):  # not aborted meanwhile
+            self._send_to_worker(msg, engine_ids)
+
+    def worker_died(self, worker: int) -> int:
+        """A worker process is gone (the launcher restarts it): every prompt it held gets an error,
+        and its socket is replaced so nothing queued for the dead process reaches the new one.
+        Returns how many engine requests were failed."""
+        self.ready_workers.discard(worker)
+        self.worker_restarts += 1
+        failed = [rid for ids in self.assigned[worker].values() for rid in ids]
+        self.assigned[worker].clear()
+        for rid in failed:
+            self._route_error(
+                ipc.RequestError(
+                    rid, 500, "the preprocess worker handling this request died; please retry", "server_error"
+                )
+            )
+        self.to_workers[worker].close(linger=0)
+        self.to_workers[worker] = self._push(self.paths.worker(worker))
+        return len(failed)
 
     def abort(self, engine_ids: list[str]) -> None:
         """Forget the ids here and ask the core to drop them (non-blocking; safe during cancellation)."""
-        live = [rid for rid in engine_ids if self.routes.pop(rid, None) is not None]
+        handles = {rid: self.routes.pop(rid, None) for rid in engine_ids}
+        live = [rid for rid, handle in handles.items() if handle is not None]
         for rid in engine_ids:
             self.tracker.on_abort(rid)
+        for handle in {id(h): h for h in handles.values() if h is not None}.values():
+            self._cancel_fetches(handle)
         if live:
             self.to_core.send_multipart(ipc.encode(ipc.Abort(live)))
+
+    def _cancel_fetches(self, handle: RequestHandle) -> None:
+        """Downloads stop once none of the request's choices is still wanted."""
+        if handle.fetches and not any(rid in self.routes for rid in handle.engine_ids):
+            for task in handle.fetches:
+                task.cancel()
 
     def fail_all(self, status: int, message: str, type: str = "server_error") -> None:
         """Every in-flight request gets an error (a child died, or shutdown ran out of time)."""
@@ -133,6 +217,7 @@ class EngineClient:
             err = ipc.RequestError(rid, status, message, type)
             self.tracker.on_error(err)
             handle.queue.put_nowait(err)
+            self._cancel_fetches(handle)
         if ids:
             try:
                 self.to_core.send_multipart(ipc.encode(ipc.Abort(ids)), zmq.NOBLOCK)
@@ -182,7 +267,8 @@ class EngineClient:
         elif isinstance(msg, ipc.RequestError):
             self._route_error(msg)
         elif isinstance(msg, ipc.PreprocessDone):
-            self.outstanding[msg.worker] = max(0, self.outstanding[msg.worker] - 1)
+            if 0 <= msg.worker < self.num_workers:
+                self.assigned[msg.worker].pop((msg.request_id, msg.first_index), None)
             self.tracker.on_preprocessed(msg)
             if msg.prompt_token_ids is not None:
                 handle = self.routes.get(f"{msg.request_id}-{msg.first_index}")
@@ -201,9 +287,12 @@ class EngineClient:
             logger.info("engine core ready: %s, max_model_len %d", msg.model, msg.max_model_len)
         elif isinstance(msg, ipc.WorkerReady):
             self.ready_workers.add(msg.worker)
+            if len(self.ready_workers) == self.num_workers:
+                self.workers_started = True
 
     def _route_error(self, err: ipc.RequestError) -> None:
         self.tracker.on_error(err)
         handle = self.routes.pop(err.request_id, None)
         if handle is not None:
             handle.queue.put_nowait(err)
+            self._cancel_fetches(handle)

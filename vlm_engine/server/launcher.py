@@ -11,9 +11,11 @@ Lifecycle:
 - SIGINT/SIGTERM: /health and new requests answer 503, in-flight requests get
   `shutdown_timeout_s` to finish and are then failed and aborted; uvicorn stops, children get
   SIGTERM (then SIGKILL), are joined, and the process exits 0. A second signal stops at once.
-- A child that dies: every in-flight request gets an error, /health turns 503, and the server
-  exits with status 1 (a supervisor restarts the whole group; partial restarts would have to
-  rebuild state the dead child held, e.g. the KV cache or detokenizer streams).
+- A preprocess worker that dies is restarted at once; only the prompts it held get an error (500)
+  and the other workers keep serving (/health stays 200 while one worker is up).
+- The engine core or the detokenizer dying: every in-flight request gets an error, /health turns
+  503, and the server exits with status 1 (a supervisor restarts the whole group; a partial restart
+  would have to rebuild the state the dead child held: the KV cache, the detokenizer streams).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from vlm_engine.metrics.status_log import StatusLine
 from vlm_engine.server.api import ServerState, build_app
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient
+from vlm_engine.server.media_fetch import MediaFetcher
 from vlm_engine.server.metrics import observe_requests
-from vlm_engine.server.procs import ChildGroup, lower_priority, set_process_name, setup_logging
+from vlm_engine.server.procs import Child, ChildGroup, lower_priority, set_process_name, setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,10 @@ def serve(config: ServerConfig) -> int:
     children.add("engine-core", "vlm_engine.server.engine_core:run_engine_core", config, paths)
     children.add("detokenizer", "vlm_engine.server.detokenizer_proc:run_detokenizer", config, paths)
     for i in range(config.preprocess_workers):
-        children.add(f"preprocess-{i}", "vlm_engine.server.preprocess_worker:run_preprocess_worker", config, paths, i)
+        children.add(
+            f"preprocess-{i}", "vlm_engine.server.preprocess_worker:run_preprocess_worker", config, paths, i,
+            worker_index=i,
+        )  # fmt: skip
     try:
         children.start()
         # Only after the spawns: children inherit the niceness, and the core must keep priority 0.
@@ -137,6 +143,8 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
     while True:
         await asyncio.sleep(_WATCH_INTERVAL_S)
         dead = children.dead()
+        if not server.state.draining:
+            dead = _restart_workers(dead, children, server.state.client)
         if dead:
             child = dead[0]
             message = f"the {child.name} process (pid {child.pid}) exited with status {child.exitcode}"
@@ -149,6 +157,25 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
             return
 
 
+def _restart_workers(dead: list[Child], children: ChildGroup, client: EngineClient) -> list[Child]:
+    """A preprocess worker holds nothing but the prompts it was working on: those get an error and
+    a new worker takes its place (the others keep serving meanwhile). Returns the dead children
+    that cannot be restarted (the engine core holds the KV cache, the detokenizer the streams)."""
+    others = []
+    for child in dead:
+        if child.worker_index is None:
+            others.append(child)
+            continue
+        pid, status = child.pid, child.exitcode
+        failed = client.worker_died(child.worker_index)
+        children.restart(child)
+        logger.error(
+            "the %s process (pid %s) exited with status %s; %d requests it held got an error; restarted as pid %s",
+            child.name, pid, status, failed, child.pid,
+        )  # fmt: skip
+    return others
+
+
 async def _status_log(client: EngineClient, interval_s: float) -> None:
     status = StatusLine()
     while True:
@@ -159,7 +186,12 @@ async def _status_log(client: EngineClient, interval_s: float) -> None:
 
 
 async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: ChildGroup) -> int:
-    client = EngineClient(paths, config.preprocess_workers)
+    client = EngineClient(
+        paths,
+        config.preprocess_workers,
+        fetcher=MediaFetcher(config.media_limits(), config.max_concurrent_media_fetches),
+        media_time_budget_s=config.media_time_budget_s or None,
+    )
     client.start()
     state = ServerState(config, client)
     observe_requests(state)

@@ -71,7 +71,8 @@ class ServerMetrics:
         )
         self.media = Histogram(
             PREFIX + "media_preprocess_seconds",
-            "Media preprocessing by kind: image_decode, video_extraction, image_processor (resize/normalize)",
+            "Media preprocessing by kind: url_fetch (downloads, in the API process), image_decode, "
+            "video_extraction, image_processor (resize/normalize)",
             (*LABELS, "kind"),
             buckets=MEDIA_BUCKETS,
             registry=self.registry,
@@ -108,6 +109,8 @@ class ServerMetrics:
             self.media.labels(*self.label_values, m.kind).observe(m.seconds)
 
     def on_finished(self, record: RequestRecord) -> None:
+        if record.media_fetch_s is not None:
+            self.media.labels(*self.label_values, "url_fetch").observe(record.media_fetch_s)
         if record.error is not None:
             self.errors.labels(*self.label_values, str(record.error.status)).inc()
             return

@@ -196,7 +196,10 @@ class PreprocessWorker:
     def process(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
         if request.messages is not None:
             return self.processor.from_messages(
-                request.messages, tools=request.tools, mm_processor_kwargs=request.mm_processor_kwargs
+                request.messages,
+                tools=request.tools,
+                mm_processor_kwargs=request.mm_processor_kwargs,
+                media_deadline=request.media_deadline,
             )
         if isinstance(request.prompt, str):
             return self.processor.from_text(request.prompt)

@@ -121,6 +121,8 @@ class Child:
     entry_point: str  # "package.module:function", imported in the child only
     args: tuple[Any, ...]
     process: Any = None
+    worker_index: int | None = None  # preprocess workers: restartable (see launcher._restart_workers)
+    restarts: int = 0
 
     @property
     def pid(self) -> int | None:
@@ -141,17 +143,28 @@ class ChildGroup:
 
     children: list[Child] = field(default_factory=list)
 
-    def add(self, name: str, entry_point: str, *args: Any) -> None:
-        self.children.append(Child(name, entry_point, args))
+    def add(self, name: str, entry_point: str, *args: Any, worker_index: int | None = None) -> None:
+        self.children.append(Child(name, entry_point, args, worker_index=worker_index))
 
     def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
         for child in self.children:
-            child.process = ctx.Process(
-                target=run_entry_point, args=(child.entry_point, *child.args), name=child.name, daemon=False
-            )
-            child.process.start()
-            logger.info("started %s (pid %d)", child.name, child.pid)
+            self._spawn(child)
+
+    def restart(self, child: Child) -> None:
+        """Reap a dead child and start it again with the same arguments."""
+        if child.process is not None:
+            child.process.join(1.0)
+        child.restarts += 1
+        self._spawn(child)
+
+    @staticmethod
+    def _spawn(child: Child) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        child.process = ctx.Process(
+            target=run_entry_point, args=(child.entry_point, *child.args), name=child.name, daemon=False
+        )
+        child.process.start()
+        logger.info("started %s (pid %d)", child.name, child.pid)
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.process is not None and not c.process.is_alive()]

@@ -34,6 +34,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -41,6 +42,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 503
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
