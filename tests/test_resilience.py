@@ -110,6 +110,7 @@ def test_a_stalled_media_url_blocks_no_one_and_the_media_budget_ends_it(server: 
 
 def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(server: ServerProcess) -> None:
     old_pid = worker_pid(server)
+    restarts = server.metrics()["vlm_engine:preprocess_worker_restarts_total"]
     generating = StreamReader(server, 200, {**chat("Go on and on.", 200), "stream": True, "ignore_eos": True})
     generating.start()  # in the engine core when the worker dies: must not notice
     assert generating.first_token.wait(30) and generating.status == 200
@@ -127,6 +128,9 @@ def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(serve
     wait_for(lambda: httpx.get(server.url + "/health").status_code == 200 and worker_pid(server) != old_pid, 120, "a new worker")
     new_pid = worker_pid(server)
     assert psutil.pid_exists(new_pid) and _gone(old_pid)
+    metrics = server.metrics()
+    assert metrics["vlm_engine:preprocess_worker_restarts_total"] == restarts + 1
+    assert metrics["vlm_engine:preprocess_workers_ready"] == 1
     generating.join(60)
     assert generating.finish_reasons == ["length"] and not generating.errors, "the running request was disturbed"
     answers = [post(server, chat([{"type": "image_url", "image_url": {"url": image_uri(i)}}])) for i in range(3)]

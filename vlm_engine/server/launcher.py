@@ -144,7 +144,7 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
         await asyncio.sleep(_WATCH_INTERVAL_S)
         dead = children.dead()
         if not server.state.draining:
-            dead = _restart_workers(dead, children, server.state.client)
+            dead = _restart_workers(dead, children, server.state)
         if dead:
             child = dead[0]
             message = f"the {child.name} process (pid {child.pid}) exited with status {child.exitcode}"
@@ -157,7 +157,7 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
             return
 
 
-def _restart_workers(dead: list[Child], children: ChildGroup, client: EngineClient) -> list[Child]:
+def _restart_workers(dead: list[Child], children: ChildGroup, state: ServerState) -> list[Child]:
     """A preprocess worker holds nothing but the prompts it was working on: those get an error and
     a new worker takes its place (the others keep serving meanwhile). Returns the dead children
     that cannot be restarted (the engine core holds the KV cache, the detokenizer the streams)."""
@@ -167,8 +167,10 @@ def _restart_workers(dead: list[Child], children: ChildGroup, client: EngineClie
             others.append(child)
             continue
         pid, status = child.pid, child.exitcode
-        failed = client.worker_died(child.worker_index)
+        failed = state.client.worker_died(child.worker_index)
         children.restart(child)
+        if state.metrics is not None:
+            state.metrics.worker_restarts.inc()
         logger.error(
             "the %s process (pid %s) exited with status %s; %d requests it held got an error; restarted as pid %s",
             child.name, pid, status, failed, child.pid,

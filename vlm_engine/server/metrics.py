@@ -89,6 +89,12 @@ class ServerMetrics:
             (*LABELS, "status"),
             registry=self.registry,
         )
+        self.worker_restarts = Counter(
+            PREFIX + "preprocess_worker_restarts",
+            "Preprocess workers that died and were restarted (the prompts they held got an error)",
+            LABELS,
+            registry=self.registry,
+        ).labels(*self.label_values)
         self.registry.register(_CoreCollector(self.label_values, core_stats, gauges))
 
     def render(self) -> bytes:
@@ -209,6 +215,7 @@ class _CoreCollector(Collector):
 _API_GAUGE_HELP = {
     "num_requests_inflight": "Engine requests accepted by the API and not finished (preprocessing included)",
     "healthy": "1 when the server is ready and serving",
+    "preprocess_workers_ready": "Preprocess workers up and taking prompts",
 }
 
 
@@ -229,7 +236,11 @@ def observe_requests(state: Any) -> ServerMetrics:
         config.model_name,
         config.replica,
         lambda: client.stats,
-        lambda: {"num_requests_inflight": client.num_inflight, "healthy": int(state.healthy)},
+        lambda: {
+            "num_requests_inflight": client.num_inflight,
+            "healthy": int(state.healthy),
+            "preprocess_workers_ready": len(client.ready_workers),
+        },
     )
     if config.log_stats:
         client.tracker.sinks.append(metrics)
