@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: serve test test-fast install system-packages clean bench
+.PHONY: serve test test-fast install system-packages fuzz-corpus clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -38,10 +38,21 @@ system-packages:
 	@command -v chromium >/dev/null || $(APT_GET) install -y -qq chromium >/dev/null
 	@command -v prometheus >/dev/null || $(APT_GET) install -y -qq --no-install-recommends prometheus >/dev/null
 
-test: $(STAMP) system-packages
+# Pillow's own test images (broken, truncated, bomb and odd files), fuzzed through the API by
+# tests/test_fuzz.py: Tests/images of the installed Pillow's sdist, fetched from PyPI only when
+# missing into a git-ignored cache (extracted beside it first, so an interrupted run leaves nothing).
+FUZZ_CORPUS := .cache/fuzz
+fuzz-corpus: $(STAMP)
+	@v=$$($(BIN)/python -c 'import PIL; print(PIL.__version__)'); d=$(FUZZ_CORPUS)/pillow-$$v; \
+	[ -d $$d/Tests/images ] || { rm -rf $$d.part && mkdir -p $$d.part && \
+	  $(BIN)/pip download -q --no-binary :all: --no-deps pillow==$$v -d $$d.part && \
+	  tar -xzf $$d.part/pillow-$$v.tar.gz -C $$d.part --strip-components=1 --wildcards '*/Tests/images/*' && \
+	  rm $$d.part/pillow-$$v.tar.gz && mv $$d.part $$d; }
+
+test: $(STAMP) system-packages fuzz-corpus
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test-fast: $(STAMP) system-packages
+test-fast: $(STAMP) system-packages fuzz-corpus
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)

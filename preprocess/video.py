@@ -253,6 +253,14 @@ def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], lis
             indices = video_processor.sample_frames(metadata, fps=sampling.fps, max_frames=sampling.max_frames)
         except ValueError as exc:
             raise MediaError(f"cannot sample frames from this video: {exc}") from None
+        except ZeroDivisionError:
+            # Qwen2-VL's sampler rounds the frame count down to whole temporal patches (2 frames)
+            # and then divides by it: a 1-frame clip, or max_frames 1, leaves it zero frames.
+            step = getattr(video_processor, "temporal_patch_size", None) or 1
+            raise MediaError(
+                f"cannot sample frames from this video: the model takes frames in groups of {step}, and "
+                f"{info.num_frames} frame(s) with max_frames {sampling.max_frames} make no whole group"
+            ) from None
         return [int(i) for i in np.asarray(indices).reshape(-1)]
 
     return choose

@@ -8,6 +8,9 @@ from typing import Any
 from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError, from_response_format
 
 
+MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to this (see __post_init__)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -37,6 +40,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # Logits divided by a tiny temperature overflow float32 to inf and the probabilities
+            # turn NaN (the whole batch's sampling would fail); vLLM raises it to the same floor.
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         self._fold_structured_output()
         self.validate()
 

@@ -403,6 +403,8 @@ def build_app(state: ServerState) -> FastAPI:
             return msgspec.json.decode(body)
         except msgspec.DecodeError:
             raise P.ApiError(400, "the request body is not valid JSON") from None
+        except RecursionError:  # the decoder recurses per nesting level; ~1,000 levels exhaust it
+            raise P.ApiError(400, f"the request body is nested too deeply (at most {P.MAX_JSON_DEPTH} levels)") from None
 
     async def generate(request: Request, kind: str) -> Response:
         check_auth(request)

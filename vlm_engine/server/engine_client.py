@@ -125,6 +125,17 @@ class EngineClient:
         for rid in ids:
             self.routes[rid] = handle
             self.tracker.start(rid)
+        try:
+            self._submit_prompts(handle, request)
+        except BaseException:
+            # Nothing may stay registered for a request that never left: it would count as in
+            # flight forever (and hold up a drain).
+            self.abort(ids)
+            raise
+        return handle
+
+    def _submit_prompts(self, handle: RequestHandle, request: GenerateRequest) -> None:
+        request_id, ids = handle.request_id, handle.engine_ids
         want_token_ids = request.return_token_ids or self.tracker.keep_token_ids
         deadline = None if self.media_time_budget_s is None else time.monotonic() + self.media_time_budget_s
         for p, prompt in enumerate(request.prompts):
@@ -146,7 +157,6 @@ class EngineClient:
                 handle.fetches.append(task)
             else:
                 self._send_to_worker(msg, prompt_ids)
-        return handle
 
     def _send_to_worker(self, msg: ipc.PreprocessRequest, engine_ids: list[str]) -> None:
         """To the live worker holding the fewest prompts (any worker while none is live: the

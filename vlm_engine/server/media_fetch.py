@@ -63,8 +63,8 @@ def remote_parts(messages: Any) -> list[RemotePart]:
         if not isinstance(content, list):
             continue
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in _URL_PARTS:
-                continue
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in _URL_PARTS:
+                continue  # malformed parts are the worker's to refuse, with the part named
             field, kind = _URL_PARTS[part["type"]]
             source = part.get(field)
             url = source.get("url") if isinstance(source, dict) else source

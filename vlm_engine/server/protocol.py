@@ -4,6 +4,7 @@ Responses carry every field the official API returns, nulls included, so clients
 them through the official SDK's models (strictly or not) see what they expect. Requests are
 plain JSON dicts: unknown fields are ignored, known ones are type-checked and range-checked here
 (the API server's only input work; messages and media are checked by the preprocess workers).
+Every field, unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ from vlm_engine.structured.tools import ToolChoice, resolve_tool_choice, validat
 
 SYSTEM_FINGERPRINT = "fp_vlm_engine"
 NO_TOOLS = ToolChoice("none")
+
+# Bodies are decoded without a schema, so any field may hold any JSON. Two kinds of value would
+# fail far from the field that holds them: integers the msgpack IPC cannot carry to the workers
+# and the core (a 500 from the encoder), and deep nesting (recursion in the workers' template,
+# grammar and encoder code). Both are the client's doing: a 400 that names the field.
+MAX_JSON_DEPTH = 128  # generous: OpenAI allows JSON schemas 10 objects deep
+_WIRE_INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
+_INT64_RANGE = (-(2**63), 2**63 - 1)  # integer fields (seed + choice index must still fit the wire)
 
 
 class ApiError(Exception):
@@ -89,7 +98,14 @@ def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defaul
         raise ApiError(400, f"'{name}' must be of type {_kind_name(kinds)}", param=name)
     if not isinstance(value, kinds):
         raise ApiError(400, f"'{name}' must be of type {_kind_name(kinds)}", param=name)
+    if kinds is int and not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
+        raise ApiError(400, f"'{name}' must be a 64-bit integer, got {_short(value)}", param=name)
     return value
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
 def _kind_name(kinds: type | tuple[type, ...]) -> str:
@@ -99,7 +115,24 @@ def _kind_name(kinds: type | tuple[type, ...]) -> str:
 
 
 def _number(body: dict[str, Any], name: str, default: float) -> float:
+    # Integers too large for a float never get here: _check_json_limits refuses them first.
     return float(_get(body, name, (int, float), default))
+
+
+def _check_json_limits(body: dict[str, Any]) -> None:
+    """Every field (those we ignore too) within MAX_JSON_DEPTH and the wire's integer range."""
+    low, high = _WIRE_INT_RANGE
+    for name, value in body.items():
+        stack = [(value, 1)]  # iterative: the point is not to recurse on hostile depth
+        while stack:
+            node, depth = stack.pop()
+            if isinstance(node, int):
+                if not low <= node <= high:
+                    raise ApiError(400, f"'{name}' holds an integer outside the 64-bit range", param=name)
+            elif isinstance(node, (list, dict)):
+                if depth > MAX_JSON_DEPTH:
+                    raise ApiError(400, f"'{name}' is nested more than {MAX_JSON_DEPTH} levels deep", param=name)
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -118,6 +151,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, int, bool, bool, bool]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _check_json_limits(body)
     model = body.get("model")
     if model is not None and model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
@@ -155,10 +189,11 @@ def _sampling(
     body: dict[str, Any], max_tokens: int, logprobs: int | None, constraint: StructuredOutput | None = None
 ) -> SamplingParams:
     top_k = _get(body, "top_k", int, 0)
+    temperature = _number(body, "temperature", 1.0)  # SamplingParams raises tiny ones to its floor
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0),
+            temperature=temperature,
             top_p=_number(body, "top_p", 1.0),
             top_k=top_k,
             seed=_get(body, "seed", int),
