@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -63,6 +63,20 @@ class SSEParser:
         if text.strip() == "[DONE]":
             return SSEEvent(done=True)
         return SSEEvent(data=json.loads(text))
+
+
+async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The lines of an SSE body, split where the SSE spec splits them (LF, CRLF, CR) and nowhere
+    else. httpx's aiter_lines() also splits at U+2028, U+0085, form feeds and other characters
+    str.splitlines() knows, which JSON may carry raw inside a string: a chunk would come apart."""
+    buffer = b""
+    async for data in response.aiter_bytes():
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r").decode("utf-8", errors="replace")
+    if buffer:
+        yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
 def parse_sse_lines(lines: Iterable[str]) -> Iterator[SSEEvent]:
@@ -189,7 +203,7 @@ async def _stream(
             record.error = f"HTTP {response.status_code}: {body[:300]}"
             return
         parser = SSEParser()
-        async for line in response.aiter_lines():
+        async for line in sse_lines(response):
             event = parser.feed_line(line)
             if event is None:
                 continue

@@ -38,6 +38,7 @@ import httpx
 import roofline  # siblings in benchmarks/, importable when this file runs as a script
 import servers
 import workloads
+from client import sse_lines
 
 TOPICS = [
     "the sea",
@@ -92,7 +93,7 @@ async def one(client: httpx.AsyncClient, args: argparse.Namespace, i: int) -> Re
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
-            async for line in resp.aiter_lines():
+            async for line in sse_lines(resp):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[6:])

@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+from client import sse_lines  # a sibling in benchmarks/
 
 from vlm_engine.metrics.scrape import parse_metrics
 
@@ -208,7 +209,7 @@ async def one_request(http: httpx.AsyncClient, maker: RequestMaker, t_start: flo
             async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
                 events = 0
                 done = False
-                async for line in resp.aiter_lines():
+                async for line in sse_lines(resp):
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
@@ -227,8 +228,9 @@ async def one_request(http: httpx.AsyncClient, maker: RequestMaker, t_start: flo
                 return outcome(None, True, "gave up")
             return outcome(200, True, "answered before the client gave up")
         raise AssertionError(kind)
-    except httpx.HTTPError as exc:
-        # A transport failure on a request that did not choose to hang up is a broken rule.
+    except (httpx.HTTPError, ValueError) as exc:
+        # A transport failure or an unreadable answer, on a request that did not choose to hang
+        # up, is a broken rule.
         return outcome(None, False, f"{type(exc).__name__}: {exc}"[:200])
 
 

@@ -295,7 +295,7 @@ async def stream_one(client: httpx.AsyncClient, url: str, req: Request, t0: floa
                 record.error = f"HTTP {response.status_code}: {body[:300]}"
                 return
             parser = C.SSEParser()
-            async for line in response.aiter_lines():
+            async for line in C.sse_lines(response):
                 event = parser.feed_line(line)
                 if event is None:
                     continue

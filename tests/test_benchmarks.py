@@ -113,6 +113,29 @@ def test_sse_parser_events_comments_done() -> None:
     assert C.chunk_content(events[0].data) == "Hi"
 
 
+def test_sse_lines_split_only_where_sse_does() -> None:
+    # Raw U+2028 / U+0085 / form feed inside a JSON string (other servers send them unescaped):
+    # httpx's aiter_lines() would cut the chunk there.
+    text = "a\u2028b\x85c\x0cd"
+    body = f"data: {json.dumps({'t': text}, ensure_ascii=False)}\r\n\ndata: [DONE]\n\n".encode()
+    pieces = [body[i : i + 5] for i in range(0, len(body), 5)]  # chunk borders inside characters too
+
+    async def lines() -> list[str]:
+        import httpx
+
+        class Pieces(httpx.AsyncByteStream):
+            async def __aiter__(self) -> Any:
+                for piece in pieces:
+                    yield piece
+
+        response = httpx.Response(200, stream=Pieces())
+        return [line async for line in C.sse_lines(response)]
+
+    got = asyncio.run(lines())
+    assert got == [f"data: {json.dumps({'t': text}, ensure_ascii=False)}", "", "data: [DONE]", ""]
+    assert json.loads(got[0][6:])["t"] == text
+
+
 def test_chunk_content_variants() -> None:
     assert C.chunk_content({"choices": [{"delta": {"role": "assistant"}}]}) == ""
     assert C.chunk_content({"choices": [{"delta": {"reasoning_content": "hmm"}}]}) == "hmm"

@@ -35,7 +35,7 @@ import soak as S  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MEDIA_BUDGET_S = 3
-SOAK_SECONDS = 100.0
+SOAK_SECONDS = 120.0
 
 
 @pytest.fixture(scope="module")

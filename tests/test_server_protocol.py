@@ -67,3 +67,18 @@ def test_completion_prompts() -> None:
     for kw in ({"echo": True}, {"suffix": "x"}, {"n": 3, "prompt": ["a", "b"]}):
         with pytest.raises(P.ApiError):
             P.parse_completion({"prompt": "a", **kw}, "m", max_n=4)
+
+
+def test_sse_chunks_escape_what_line_splitters_split_at() -> None:
+    """JSON may carry U+2028, U+2029 and U+0085 raw; SSE clients that split with str.splitlines()
+    (httpx's iter_lines) would cut a chunk there, so the server escapes them."""
+    import json
+
+    from vlm_engine.server.api import _sse
+
+    text = "a\u2028b\u2029c\x85d\x0be\u00e9"
+    event = _sse({"content": text})
+    assert event.endswith(b"\n\n") and event.count(b"\n") == 2
+    line = event.decode()[:-2]
+    assert line.splitlines() == [line]
+    assert json.loads(line[len("data: ") :]) == {"content": text}

@@ -54,8 +54,18 @@ class ServerState:
         return self.client.ready and not self.draining and self.failure is None
 
 
+# JSON lets U+0085, U+2028 and U+2029 stand raw in strings, and msgspec writes them raw, but many
+# SSE clients split lines with str.splitlines(), which breaks a chunk at them (httpx's iter_lines
+# does; a model's text can hold them). Escaped, the JSON means the same and every client reads it.
+_LINE_BREAKS_IN_JSON = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
 def _sse(obj: Any) -> bytes:
-    return b"data: " + _json.encode(obj) + b"\n\n"
+    data = _json.encode(obj)
+    for raw, escaped in _LINE_BREAKS_IN_JSON:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return b"data: " + data + b"\n\n"
 
 
 def _error_response(

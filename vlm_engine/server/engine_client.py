@@ -71,7 +71,6 @@ class EngineClient:
         self.core_info: ipc.CoreReady | None = None
         self.ready_workers: set[int] = set()
         self.workers_started = False  # every worker reported ready once (start-up is over)
-        self.worker_restarts = 0
         self.stats = ipc.CoreStats()
         self.tracker = tracker or RequestTracker()
         # A /start_profile or /stop_profile call in progress: (answers so far, done, answers expected).
@@ -189,7 +188,6 @@ class EngineClient:
         and its socket is replaced so nothing queued for the dead process reaches the new one.
         Returns how many engine requests were failed."""
         self.ready_workers.discard(worker)
-        self.worker_restarts += 1
         failed = [rid for ids in self.assigned[worker].values() for rid in ids]
         self.assigned[worker].clear()
         for rid in failed:

@@ -11,8 +11,9 @@ Lifecycle:
 - SIGINT/SIGTERM: /health and new requests answer 503, in-flight requests get
   `shutdown_timeout_s` to finish and are then failed and aborted; uvicorn stops, children get
   SIGTERM (then SIGKILL), are joined, and the process exits 0. A second signal stops at once.
-- A preprocess worker that dies is restarted at once; only the prompts it held get an error (500)
-  and the other workers keep serving (/health stays 200 while one worker is up).
+- A preprocess worker that dies after start-up is restarted at once; only the prompts it held get
+  an error (500) and the other workers keep serving (/health stays 200 while one worker is up).
+  One that dies during start-up, or 5 times within a minute, stops the server like any child.
 - The engine core or the detokenizer dying: every in-flight request gets an error, /health turns
   503, and the server exits with status 1 (a supervisor restarts the whole group; a partial restart
   would have to rebuild the state the dead child held: the KV cache, the detokenizer streams).
@@ -48,6 +49,10 @@ logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.2
 _FAIL_LINGER_S = 1.0  # after a child died: time for error events to reach clients, /health shows 503
+# A preprocess worker is restarted unless it died this many times within the window (then the
+# server stops as for any other child: something is wrong beyond one bad input).
+_MAX_RESTARTS_PER_WINDOW = 5
+_RESTART_WINDOW_S = 60.0
 
 
 def serve(config: ServerConfig) -> int:
@@ -143,7 +148,7 @@ async def _watch(children: ChildGroup, server: _Server) -> None:
     while True:
         await asyncio.sleep(_WATCH_INTERVAL_S)
         dead = children.dead()
-        if not server.state.draining:
+        if dead and server.state.client.workers_started and not server.state.draining:
             dead = _restart_workers(dead, children, server.state)
         if dead:
             child = dead[0]
@@ -162,13 +167,16 @@ def _restart_workers(dead: list[Child], children: ChildGroup, state: ServerState
     a new worker takes its place (the others keep serving meanwhile). Returns the dead children
     that cannot be restarted (the engine core holds the KV cache, the detokenizer the streams)."""
     others = []
+    now = time.monotonic()
     for child in dead:
-        if child.worker_index is None:
-            others.append(child)
+        recent = [t for t in child.restart_times if now - t < _RESTART_WINDOW_S]
+        if child.worker_index is None or len(recent) >= _MAX_RESTARTS_PER_WINDOW:
+            others.append(child)  # a worker that keeps dying is a broken deployment: stop, loudly
             continue
         pid, status = child.pid, child.exitcode
         failed = state.client.worker_died(child.worker_index)
         children.restart(child)
+        child.restart_times = [*recent, now]
         if state.metrics is not None:
             state.metrics.worker_restarts.inc()
         logger.error(

@@ -122,7 +122,7 @@ class Child:
     args: tuple[Any, ...]
     process: Any = None
     worker_index: int | None = None  # preprocess workers: restartable (see launcher._restart_workers)
-    restarts: int = 0
+    restart_times: list[float] = field(default_factory=list)  # time.monotonic() of recent restarts
 
     @property
     def pid(self) -> int | None:
@@ -154,7 +154,6 @@ class ChildGroup:
         """Reap a dead child and start it again with the same arguments."""
         if child.process is not None:
             child.process.join(1.0)
-        child.restarts += 1
         self._spawn(child)
 
     @staticmethod
