@@ -98,14 +98,18 @@ class SoakReport:
 
     def lines(self) -> list[str]:
         windows = ", ".join(f"{p:.0f}" for p in self.p99_by_window_ms)
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items()))
         return [
-            f"soak: {self.duration_s:.0f} s at concurrency {self.concurrency}: {self.requests} requests "
-            f"({', '.join(f'{k} {v}' for k, v in sorted(self.by_kind.items()))})",
-            f"good answered {self.good_answered}/{self.good}, aborted by the client {self.aborted}, "
-            f"bad rejected with a 4xx {self.bad_rejected}/{self.bad}, unexpected {len(self.unexpected)}",
+            f"soak: {self.duration_s:.0f} s at concurrency {self.concurrency}: {self.requests} requests ({kinds})",
+            (
+                f"good answered {self.good_answered}/{self.good}, aborted by the client {self.aborted}, "
+                f"bad rejected with a 4xx {self.bad_rejected}/{self.bad}, unexpected {len(self.unexpected)}"
+            ),
             f"KV pages in use: {self.pages_baseline:.0f} before, {self.pages_after:.0f} after",
-            f"server RSS: {self.rss_baseline_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB at the end "
-            f"({self.rss_growth * 100:+.1f}%)",
+            (
+                f"server RSS: {self.rss_baseline_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB at the end "
+                f"({self.rss_growth * 100:+.1f}%)"
+            ),
             f"p99 latency of good requests per {self.window_s:.0f} s window (ms): {windows}",
             *[f"  unexpected: {u}" for u in self.unexpected],
         ]
@@ -157,12 +161,23 @@ class RequestMaker:
         }
 
     def completion(self) -> dict[str, Any]:
-        return {"model": self.model, "prompt": f"Once upon a time {self.rng.random()}", "max_tokens": self.rng.randint(1, 16)}
+        return {
+            "model": self.model,
+            "prompt": f"Once upon a time {self.rng.random()}",
+            "max_tokens": self.rng.randint(1, 16),
+        }
 
     def bad_field(self) -> dict[str, Any]:
         body = self.chat(stream=False)
         name, value = self.rng.choice(
-            [("max_tokens", "many"), ("temperature", -3), ("n", 10**6), ("messages", {}), ("stop", [1, 2]), ("top_p", "x")]
+            [
+                ("max_tokens", "many"),
+                ("temperature", -3),
+                ("n", 10**6),
+                ("messages", {}),
+                ("stop", [1, 2]),
+                ("top_p", "x"),
+            ]
         )
         body[name] = value
         return body
@@ -315,7 +330,9 @@ async def soak(
         rss_after = tree_rss_mb(server_pid)
         sampler.cancel()
     pages_after = wait_pages_settle(base_url, pages_baseline)
-    return _report(outcomes, duration_s, concurrency, pages_baseline, pages_after, rss_baseline or rss_after, rss_after, window_s)
+    return _report(
+        outcomes, duration_s, concurrency, pages_baseline, pages_after, rss_baseline or rss_after, rss_after, window_s
+    )
 
 
 def _report(

@@ -178,9 +178,8 @@ def send_all(server: ServerProcess, cases: list[Case]) -> list[Outcome]:
     """Every case, CONCURRENCY at a time, each on its own connection: a connection the server
     drops then shows up on the request that caused it, not on the next one sent over it."""
     limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=0)
-    with httpx.Client(timeout=CLIENT_TIMEOUT_S, limits=limits) as client:
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            return list(pool.map(lambda case: send(client, server, case), cases))
+    with httpx.Client(timeout=CLIENT_TIMEOUT_S, limits=limits) as client, ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(lambda case: send(client, server, case), cases))
 
 
 def problems_of(outcomes: list[Outcome]) -> list[str]:
@@ -298,8 +297,7 @@ def summarize(group: str, outcomes: list[Outcome], **extra: Any) -> dict[str, An
     }
     OUTCOMES_PATH.mkdir(parents=True, exist_ok=True)
     with open(OUTCOMES_PATH / f"{group}.jsonl", "w") as f:
-        for o in outcomes:
-            f.write(json.dumps(dataclasses.asdict(o)) + "\n")
+        f.writelines(json.dumps(dataclasses.asdict(o)) + "\n" for o in outcomes)
     summary = json.loads(SUMMARY_PATH.read_text()) if SUMMARY_PATH.exists() else {}
     summary[group] = section
     SUMMARY_PATH.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")

@@ -30,7 +30,7 @@ from tests.server_helpers import ARTIFACTS, ServerProcess, running
 from tests.test_server_lifecycle import StreamReader, slow_image_server
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import soak as S  # noqa: E402
+import soak as S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -95,7 +95,10 @@ def test_a_stalled_media_url_blocks_no_one_and_the_media_budget_ends_it(server: 
         # While that download hangs, the one worker serves everyone else.
         others = [
             post(server, chat("Say something.")),
-            post(server, chat([{"type": "image_url", "image_url": {"url": image_uri(1)}}, {"type": "text", "text": "Hi"}])),
+            post(
+                server,
+                chat([{"type": "image_url", "image_url": {"url": image_uri(1)}}, {"type": "text", "text": "Hi"}]),
+            ),
         ]
         assert [r.status_code for r in others] == [200, 200]
         assert "response" not in stalled, "the stalled request ended before its budget"
@@ -125,7 +128,11 @@ def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(serve
     assert held["r"].status_code == 500
     assert "preprocess worker" in held["r"].json()["error"]["message"]
 
-    wait_for(lambda: httpx.get(server.url + "/health").status_code == 200 and worker_pid(server) != old_pid, 120, "a new worker")
+    wait_for(
+        lambda: httpx.get(server.url + "/health").status_code == 200 and worker_pid(server) != old_pid,
+        120,
+        "a new worker",
+    )
     new_pid = worker_pid(server)
     assert psutil.pid_exists(new_pid) and _gone(old_pid)
     metrics = server.metrics()

@@ -7,7 +7,6 @@ from typing import Any
 
 from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError, from_response_format
 
-
 MIN_TEMPERATURE = 0.01  # smaller positive temperatures are raised to this (see __post_init__)
 
 

@@ -401,7 +401,10 @@ def build_app(state: ServerState) -> FastAPI:
             raise P.ApiError(503, "the server is shutting down", type="server_error")
         if not client.ready:
             raise P.ApiError(
-                503, "the model is still loading", type="server_error", headers={"Retry-After": str(config.retry_after_s)}
+                503,
+                "the model is still loading",
+                type="server_error",
+                headers={"Retry-After": str(config.retry_after_s)},
             )
 
     async def read_json(request: Request) -> Any:
@@ -414,7 +417,9 @@ def build_app(state: ServerState) -> FastAPI:
         except msgspec.DecodeError:
             raise P.ApiError(400, "the request body is not valid JSON") from None
         except RecursionError:  # the decoder recurses per nesting level; ~1,000 levels exhaust it
-            raise P.ApiError(400, f"the request body is nested too deeply (at most {P.MAX_JSON_DEPTH} levels)") from None
+            raise P.ApiError(
+                400, f"the request body is nested too deeply (at most {P.MAX_JSON_DEPTH} levels)"
+            ) from None
 
     async def generate(request: Request, kind: str) -> Response:
         check_auth(request)

@@ -109,7 +109,7 @@ class MediaFetcher:
         try:
             timeout = None if deadline is None else max(0.0, deadline - t0)
             done, pending = await asyncio.wait(tasks.values(), timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-            for part, task in tasks.items():  # the first failure in message order names its part
+            for task in tasks.values():  # the first failure in message order names its part
                 if task in done and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
             if pending:
