@@ -265,3 +265,61 @@ def test_two_servers_share_the_work_and_one_dying_loses_nothing(
         assert servers == {a.url, b.url}, servers  # work landed on both before b died
         summary = result["summary"]
         assert summary.per_server[a.url] > 0 and summary.per_server[b.url] > 0
+
+
+def test_in_process_media_urls_follow_the_private_url_flag(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    """The in-process model fetches URLs under the same guard as the server: a loopback URL is
+    refused by default and fetched with --allow-private-media-urls (an intranet)."""
+    import http.server
+    import io
+
+    buffer = io.BytesIO()
+    make_image(40, 32, seed=5).save(buffer, "PNG")
+    png = buffer.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(png)))
+            self.end_headers()
+            self.wfile.write(png)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/cat.png"
+    line = {
+        "custom_id": "url-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+            "max_tokens": 4,
+        },
+    }
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps(line) + "\n")
+    try:
+        statuses = {}
+        for allow in (False, True):
+            out = tmp_path / f"results-{allow}.jsonl"
+            run_batch(
+                BatchOptions(
+                    inputs=[str(requests)],
+                    out=str(out),
+                    model=str(tiny_vlm_dir),
+                    dtype="float32",
+                    progress=False,
+                    allow_private_media_urls=allow,
+                )
+            )
+            (row,) = rows(out)
+            statuses[allow] = row["response"]["status_code"], json.dumps(row["response"]["body"])
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert statuses[False][0] == 400 and "loopback" in statuses[False][1]
+    assert statuses[True][0] == 200

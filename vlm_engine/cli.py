@@ -350,6 +350,12 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--extra-body", default="{}", help="JSON merged into every request body, e.g. '{\"top_p\": 0.9}'")
+    p.add_argument(
+        "--allow-private-media-urls",
+        action="store_true",
+        help="in-process model: media URLs may reach loopback, private and link-local addresses (an intranet)",
+    )
+    p.add_argument("--allowed-media-domains", default=None, help="in-process model: fetch media only from these hosts")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_batch_command)
 
@@ -383,6 +389,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=not args.no_progress,
         extra_body=json.loads(args.extra_body),
+        allow_private_media_urls=args.allow_private_media_urls,
+        allowed_media_domains=tuple(args.allowed_media_domains.split(",")) if args.allowed_media_domains else None,
     )
     summary = run_batch(options)
     print(summary.line(), file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 NUMERICS = ("fast", "exact")
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes of vlm_engine.models.quantized
@@ -40,6 +41,9 @@ class EngineConfig:
     speculative_ngram_max: int = 4
     speculative_disable_batch_size: int = 8  # steps starting with this many running requests do not speculate
     speculative_draft_quantization: str | None = None  # "int8" / "int4": the draft model's weight-only linears
+    # preprocess.media.MediaLimits for images and videos the prompts name (URLs, local paths); None:
+    # the secure defaults (public http(s) URLs only, no local paths).
+    media_limits: Any = None
 
     def __post_init__(self) -> None:
         if self.numerics not in NUMERICS:

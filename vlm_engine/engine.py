@@ -127,7 +127,8 @@ class Engine:
             self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights, panel_ops,
             cfg.quantization, quant_ops,
         )
-        self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file)
+        limits = {"limits": cfg.media_limits} if cfg.media_limits is not None else {}
+        self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file, **limits)
         self.tokenizer = self.processor.tokenizer
         draft_model = None
         if cfg.speculative and cfg.speculative.startswith("draft:"):

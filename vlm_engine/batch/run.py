@@ -45,6 +45,10 @@ class BatchOptions:
     dtype: str = "auto"
     progress: bool = True
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every media request (e.g. ignore_eos)
+    # In-process model only: media URLs in the inputs (e.g. an OpenAI batch file's image_url) may
+    # reach loopback/private addresses (an intranet), or only these domains. Servers apply their own.
+    allow_private_media_urls: bool = False
+    allowed_media_domains: tuple[str, ...] | None = None
 
 
 @dataclass
@@ -99,7 +103,12 @@ class BatchRun:
             return ServerBackend(self.o.servers, self.o.concurrency, self.o.api_key)
         from vlm_engine.models.registry import DEFAULT_MODEL
 
-        return EngineBackend(self.o.model or DEFAULT_MODEL, self.o.concurrency, dtype=self.o.dtype)
+        from preprocess.media import MediaLimits
+
+        limits = MediaLimits(
+            allow_private_urls=self.o.allow_private_media_urls, allowed_domains=self.o.allowed_media_domains
+        )
+        return EngineBackend(self.o.model or DEFAULT_MODEL, self.o.concurrency, dtype=self.o.dtype, media_limits=limits)
 
     def run(self) -> Summary:
         start = self._start = time.monotonic()
