@@ -3,6 +3,8 @@ fp32, each against the torch code it replaces, and the engine's greedy output wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -189,6 +191,41 @@ def test_packing_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, flags: s
     assert onednn_bf16_packing()[0] is packs
     if not packs:
         assert not prepack_supported(torch.device("cpu"), BF16)
+
+
+def test_forcing_the_avx2_tier_hides_the_wider_isa(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLM_ENGINE_ISA=avx2 makes an AVX-512 machine answer every check as Zen 3 does (and build our
+    kernels for x86-64-v3), so the AVX2 path can be tested and measured there."""
+    avx512_host = "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_bf16 avx_vnni avx512_vnni"
+    monkeypatch.setattr("builtins.open", _fake_cpuinfo(f"flags\t\t: {avx512_host}\n"), raising=True)
+    cpu_isa.cpu_flags.cache_clear()
+    try:
+        monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+        assert cpu_isa.isa_tier() == "avx512_bf16" and cpu_isa.march_flag() == "-march=native"
+        cpu_isa.cpu_flags.cache_clear()
+        monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
+        assert cpu_isa.cpu_flags() == {"avx2", "fma", "f16c"}
+        assert cpu_isa.isa_tier() == "avx2" and not cpu_isa.has_native_bf16()
+        assert not onednn_bf16_packing()[0] and cpu_isa.march_flag() == "-march=x86-64-v3"
+        assert cpu_isa.tier_description() == "avx2 (forced by VLM_ENGINE_ISA)"
+        monkeypatch.setenv(cpu_isa.ISA_ENV, "avx9")
+        with pytest.raises(ValueError, match="VLM_ENGINE_ISA"):
+            cpu_isa.forced_isa()
+    finally:
+        monkeypatch.undo()
+        cpu_isa.cpu_flags.cache_clear()
+
+
+def _fake_cpuinfo(text: str) -> Any:
+    import builtins
+    import io
+
+    real_open = builtins.open
+
+    def fake_open(path: Any, *args: Any, **kwargs: Any) -> Any:
+        return io.StringIO(text) if path == "/proc/cpuinfo" else real_open(path, *args, **kwargs)
+
+    return fake_open
 
 
 @pytest.mark.skipif(PACKING, reason="this CPU packs bf16 weights; the fallback is for CPUs that cannot")

@@ -21,7 +21,7 @@ from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.inputs import ProcessedPrompt
-from vlm_engine.models.cpu_isa import isa_tier
+from vlm_engine.models.cpu_isa import tier_description
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
@@ -166,7 +166,7 @@ class Engine:
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
             "%d KV pages x %d tokens, max_model_len %d, speculative %s",
             self.source.name, self.dtype, cfg.numerics, cfg.quantization or "unquantized", backend.name,
-            fused is not None, isa_tier(), num_pages, cfg.page_size, self.max_model_len,
+            fused is not None, tier_description(), num_pages, cfg.page_size, self.max_model_len,
             f"{cfg.speculative} k={cfg.num_speculative_tokens}" if cfg.speculative else "off",
         )
 

@@ -47,10 +47,15 @@ __all__ = [
 
 EXT_NAME = "vlm_engine_paged_attention"
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-_FLAG_SETS: list[list[str]] = [
-    ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-    ["-O3", "-fopenmp"],  # e.g. a compiler that does not know -march=native
-]
+
+
+def _flag_sets() -> list[list[str]]:
+    from vlm_engine.models.cpu_isa import march_flag
+
+    return [
+        ["-O3", march_flag(), "-fopenmp", "-fno-math-errno"],
+        ["-O3", "-fopenmp"],  # e.g. a compiler that does not know -march=native
+    ]
 
 
 def _cache_root() -> Path:
@@ -60,8 +65,10 @@ def _cache_root() -> Path:
 
 
 def _cpu_tag() -> str:
-    """Short hash of the host ISA (the .so is built with -march=native, so don't share across CPUs)."""
-    parts = [platform.machine()]
+    """Short hash of the host ISA and the -march (the .so is built for one, so don't share across CPUs)."""
+    from vlm_engine.models.cpu_isa import march_flag
+
+    parts = [platform.machine(), march_flag()]
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -112,7 +119,7 @@ def build_extension(name: str = EXT_NAME, source: Path = _SRC, build_dir: Path |
         logger.warning("C++ extension %s unavailable (%s); using the torch reference", name, e)
         return None
     verbose = os.environ.get("VLM_ENGINE_VERBOSE_BUILD", "") not in ("", "0")
-    for flags in _FLAG_SETS:
+    for flags in _flag_sets():
         try:
             return load(
                 name=name,

@@ -2,6 +2,11 @@
 
 CI and developer machines are drawn from Zen 4 (AVX-512 with bf16 dot products) and Zen 3 (AVX2
 only); every fast path asks here first and falls back to plain torch ops where it cannot run.
+
+`VLM_ENGINE_ISA=avx2` makes a bigger CPU behave as an AVX2 + FMA one: the AVX-512 / AMX flags
+are hidden from every check here and our C++ kernels are built with `-march=x86-64-v3`, so an
+AVX-512 machine can test and measure the path Zen 3 runs. (Torch's own kernels dispatch on the
+real CPU; `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` cap those, set them too.)
 """
 
 from __future__ import annotations
@@ -14,16 +19,41 @@ import os
 _ONEDNN_BF16_AVX512 = frozenset({"avx512bw", "avx512vl", "avx512dq"})
 
 
+ISA_ENV = "VLM_ENGINE_ISA"
+_FORCED_MARCH = {"avx2": "x86-64-v3"}  # x86-64-v3: AVX2, FMA, F16C, BMI1/2 (Haswell, Zen 1-3)
+_ABOVE_AVX2 = ("avx512", "amx", "avx_ne_convert", "avx_vnni")  # flag prefixes that a forced AVX2 hides
+
+
+def forced_isa() -> str | None:
+    """The tier `VLM_ENGINE_ISA` asks for, or None (the CPU's own)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in _FORCED_MARCH:
+        raise ValueError(f"{ISA_ENV} must be one of {sorted(_FORCED_MARCH)}, got {value!r}")
+    return value
+
+
+def march_flag() -> str:
+    """The -march our C++ kernels are built with: the host's, or the forced tier's."""
+    forced = forced_isa()
+    return f"-march={_FORCED_MARCH[forced]}" if forced else "-march=native"
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    flags: frozenset[str] = frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    if forced_isa() == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
+    return flags
 
 
 def has_native_bf16() -> bool:
@@ -53,3 +83,8 @@ def isa_tier() -> str:
     if {"avx2", "fma"} <= flags:
         return "avx2"
     return "baseline"
+
+
+def tier_description() -> str:
+    """The tier for logs, saying when VLM_ENGINE_ISA forced it."""
+    return f"{isa_tier()} (forced by {ISA_ENV})" if forced_isa() else isa_tier()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from vlm_engine.models import loader
-from vlm_engine.models.cpu_isa import has_native_bf16, isa_tier
+from vlm_engine.models.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 from vlm_engine.models.quantized import quantize_linears
@@ -126,7 +126,7 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
         native = cpu_has_native_bf16()
         logger.info(
             "dtype auto -> %s: CPU tier %s %s bf16 dot products (avx512_bf16/amx)",
-            "bfloat16" if native else "float32", isa_tier(), "has" if native else "lacks",
+            "bfloat16" if native else "float32", tier_description(), "has" if native else "lacks",
         )
         return torch.bfloat16 if native else torch.float32
     return declared
