@@ -40,10 +40,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 class PromptError(ValueError):
     """A malformed request (messages, prompt); the message is safe to show the client."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's error code, when there is one (context_length_exceeded)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,7 @@ class PromptProcessor:
         # (kind, seconds) per media step since the last take_media_timings(): the server's metrics.
         self.media_timings: list[tuple[str, float]] = []
         self._media_deadline: float | None = None  # the request being converted (from_messages)
+        self._longest_token: int | None = None  # characters in the longest vocabulary entry (_check_length)
 
     @property
     def is_multimodal(self) -> bool:
@@ -126,11 +128,14 @@ class PromptProcessor:
         tools: list[dict[str, Any]] | None = None,
         mm_processor_kwargs: dict[str, Any] | None = None,
         media_deadline: float | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> ProcessedPrompt:
         """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does.
         `mm_processor_kwargs` may set the video sampling (`fps`, `max_frames`) for every video part
         that does not set its own. `media_deadline` (time.monotonic()) bounds the time spent loading
-        and decoding this request's media: checked before each part and between decoded frames."""
+        and decoding this request's media: checked before each part and between decoded frames.
+        `max_prompt_tokens` (the context length) refuses a rendered prompt too long to fit before it
+        is tokenized (see `_check_length`)."""
         self._media_deadline = media_deadline
         try:
             converted = self._convert_messages(messages, self._request_sampling(mm_processor_kwargs))
@@ -143,6 +148,7 @@ class PromptProcessor:
             text = template_owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False, **extra)
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
+        self._check_length(len(text), max_prompt_tokens, "messages")
         if self.labels_images:
             return self._process_label_spans(text, images, videos)
         if not self.is_multimodal:
@@ -150,15 +156,18 @@ class PromptProcessor:
             return self._finish(list(ids), text=text)
         return self._process_multimodal(text, images, videos)
 
-    def from_text(self, text: str) -> ProcessedPrompt:
+    def from_text(self, text: str, max_prompt_tokens: int | None = None) -> ProcessedPrompt:
         if not text:
             raise PromptError("the prompt is empty", param="prompt")
+        self._check_length(len(text), max_prompt_tokens, "prompt")
         ids = self.tokenizer(text)["input_ids"]
         return self._finish(list(ids), text=text)
 
-    def from_token_ids(self, token_ids: list[int]) -> ProcessedPrompt:
+    def from_token_ids(self, token_ids: list[int], max_prompt_tokens: int | None = None) -> ProcessedPrompt:
         if not token_ids:
             raise PromptError("the prompt is empty", param="prompt")
+        if max_prompt_tokens is not None and len(token_ids) >= max_prompt_tokens:
+            raise PromptError(_too_long(len(token_ids), max_prompt_tokens), param="prompt", code=CONTEXT_EXCEEDED)
         vocab = self.vocab_size
         bad = [t for t in token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -184,6 +193,22 @@ class PromptProcessor:
             yield
         finally:
             self.media_timings.append((kind, time.perf_counter() - t0))
+
+    def _check_length(self, chars: int, max_prompt_tokens: int | None, param: str) -> None:
+        """Refuse text that cannot fit the context without tokenizing it: tokenizing a body-sized
+        prompt (tens of MB) would hold this worker for many seconds, and the core refuses it anyway.
+        No token covers more characters than the longest vocabulary entry (byte-level BPE: one
+        character per byte; SentencePiece: one per character, byte fallbacks longer), so
+        `chars / longest` is a lower bound on the token count."""
+        if max_prompt_tokens is None:
+            return
+        if self._longest_token is None:
+            self._longest_token = max(len(t) for t in self.tokenizer.get_vocab())
+        at_least = -(-chars // self._longest_token)
+        if at_least >= max_prompt_tokens:
+            raise PromptError(
+                _too_long(at_least, max_prompt_tokens, lower_bound=True), param=param, code=CONTEXT_EXCEEDED
+            )
 
     def _check_budget(self, where: str) -> None:
         if self._media_deadline is not None and time.monotonic() > self._media_deadline:
@@ -417,6 +442,18 @@ class PromptProcessor:
                 self.media_tokens.spatial_merge_size,
             )
         return prompt
+
+
+CONTEXT_EXCEEDED = "context_length_exceeded"
+
+
+def _too_long(tokens: int, context: int, lower_bound: bool = False) -> str:
+    """The scheduler's words for the same refusal (the API marks it context_length_exceeded)."""
+    count = f"at least {tokens}" if lower_bound else str(tokens)
+    return (
+        f"the prompt has {count} tokens, but this model's context is {context} tokens and at least one "
+        "must be left to generate"
+    )
 
 
 BUDGET_SPENT = "the request's media time budget ran out (too much media, or media too slow to load)"

@@ -62,6 +62,32 @@ def test_engine_request_round_trip_over_zmq_without_pickling(processor, tmp_path
         assert torch.equal(got.pixel_values, want.pixel_values)
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(processor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body-sized prompt would hold the worker while it tokenizes; the length bound refuses it
+    first (and a prompt that may fit is tokenized as before)."""
+    from preprocess.prompt import PromptError
+
+    context = 512
+    longest = max(len(t) for t in processor.tokenizer.get_vocab())
+    huge = "word " * (context * longest)
+    tokenized: list[int] = []
+    tokenizer_call = type(processor.tokenizer).__call__
+    monkeypatch.setattr(
+        type(processor.tokenizer), "__call__", lambda self, *a, **k: tokenized.append(1) or tokenizer_call(self, *a, **k)
+    )
+    for call, param in (
+        (lambda: processor.from_messages([{"role": "user", "content": huge}], max_prompt_tokens=context), "messages"),
+        (lambda: processor.from_text(huge, max_prompt_tokens=context), "prompt"),
+        (lambda: processor.from_token_ids([1] * context, max_prompt_tokens=context), "prompt"),
+    ):
+        with pytest.raises(PromptError, match=f"context is {context} tokens") as info:
+            call()
+        assert info.value.param == param and info.value.code == "context_length_exceeded"
+    assert not tokenized, "the refused prompts were tokenized"
+    fits = processor.from_text("word " * 50, max_prompt_tokens=context)
+    assert 0 < len(fits.token_ids) < context and tokenized
+
+
 def test_choice_seeds_differ_per_choice() -> None:
     sampling = SamplingParams(seed=10)
     assert [choice_sampling(sampling, i).seed for i in range(3)] == [10, 11, 12]

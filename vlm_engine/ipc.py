@@ -79,6 +79,7 @@ class PreprocessRequest(Message):
     # time.monotonic() (one clock for every process on the host) by which the request's media must
     # be loaded and decoded: its media time budget, counted from its arrival (fetching included).
     media_deadline: float | None = None
+    max_prompt_tokens: int | None = None  # the context length: a longer prompt is refused before tokenizing
 
 
 # ---- worker -> core --------------------------------------------------------------------------------

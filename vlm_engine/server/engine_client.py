@@ -149,6 +149,7 @@ class EngineClient:
                 mm_processor_kwargs=request.mm_processor_kwargs,
                 want_token_ids=want_token_ids,
                 media_deadline=deadline,
+                max_prompt_tokens=self.core_info.max_model_len if self.core_info is not None else None,
             )
             prompt_ids = ids[p * request.n : (p + 1) * request.n]
             if self.fetcher is not None and request.kind == "chat" and remote_parts(prompt):

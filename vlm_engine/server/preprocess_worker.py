@@ -171,7 +171,8 @@ class PreprocessWorker:
             prompt = self.process(request)
         except ValueError as exc:  # PromptError, MediaError, StructuredOutputError: the client's input
             self._done(done, t0)
-            self._fail(ids, 400, getattr(exc, "message", str(exc)), getattr(exc, "param", None))
+            message, param = getattr(exc, "message", str(exc)), getattr(exc, "param", None)
+            self._fail(ids, 400, message, param, code=getattr(exc, "code", None))
             return
         except Exception as exc:
             logger.exception("preprocessing failed for %s", request.request_id)
@@ -200,13 +201,20 @@ class PreprocessWorker:
                 tools=request.tools,
                 mm_processor_kwargs=request.mm_processor_kwargs,
                 media_deadline=request.media_deadline,
+                max_prompt_tokens=request.max_prompt_tokens,
             )
         if isinstance(request.prompt, str):
-            return self.processor.from_text(request.prompt)
-        return self.processor.from_token_ids(list(request.prompt or []))
+            return self.processor.from_text(request.prompt, request.max_prompt_tokens)
+        return self.processor.from_token_ids(list(request.prompt or []), request.max_prompt_tokens)
 
     def _fail(
-        self, ids: list[str], status: int, message: str, param: str | None, kind: str = "invalid_request_error"
+        self,
+        ids: list[str],
+        status: int,
+        message: str,
+        param: str | None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
     ) -> None:
         for rid in ids:
-            self.to_api.send_multipart(ipc.encode(ipc.RequestError(rid, status, message, kind, param)))
+            self.to_api.send_multipart(ipc.encode(ipc.RequestError(rid, status, message, kind, param, code)))
