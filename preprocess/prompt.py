@@ -32,7 +32,7 @@ from preprocess.video import (
     uniform_indices,
 )
 from vlm_engine.cache.page_hash import MediaSpan
-from vlm_engine.inputs import MediaInput, ProcessedPrompt
+from vlm_engine.inputs import MediaInput, ProcessedPrompt, context_exceeded
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -167,7 +167,9 @@ class PromptProcessor:
         if not token_ids:
             raise PromptError("the prompt is empty", param="prompt")
         if max_prompt_tokens is not None and len(token_ids) >= max_prompt_tokens:
-            raise PromptError(_too_long(len(token_ids), max_prompt_tokens), param="prompt", code=CONTEXT_EXCEEDED)
+            raise PromptError(
+                context_exceeded(len(token_ids), max_prompt_tokens), param="prompt", code=CONTEXT_EXCEEDED
+            )
         vocab = self.vocab_size
         bad = [t for t in token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -207,7 +209,7 @@ class PromptProcessor:
         at_least = -(-chars // self._longest_token)
         if at_least >= max_prompt_tokens:
             raise PromptError(
-                _too_long(at_least, max_prompt_tokens, lower_bound=True), param=param, code=CONTEXT_EXCEEDED
+                context_exceeded(at_least, max_prompt_tokens, lower_bound=True), param=param, code=CONTEXT_EXCEEDED
             )
 
     def _check_budget(self, where: str) -> None:
@@ -445,15 +447,6 @@ class PromptProcessor:
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
-
-
-def _too_long(tokens: int, context: int, lower_bound: bool = False) -> str:
-    """The scheduler's words for the same refusal (the API marks it context_length_exceeded)."""
-    count = f"at least {tokens}" if lower_bound else str(tokens)
-    return (
-        f"the prompt has {count} tokens, but this model's context is {context} tokens and at least one "
-        "must be left to generate"
-    )
 
 
 BUDGET_SPENT = "the request's media time budget ran out (too much media, or media too slow to load)"

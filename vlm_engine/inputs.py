@@ -36,3 +36,13 @@ class ProcessedPrompt:
     @property
     def media_spans(self) -> list[MediaSpan]:
         return [m.span for m in self.media]
+
+
+def context_exceeded(tokens: int, context: int, lower_bound: bool = False) -> str:
+    """Why a prompt cannot run (the scheduler's refusal, and the workers' earlier one made from a
+    lower bound on the token count); the API marks it context_length_exceeded."""
+    count = f"at least {tokens}" if lower_bound else str(tokens)
+    return (
+        f"the prompt has {count} tokens, but this model's context is {context} tokens and at least one "
+        "must be left to generate"
+    )

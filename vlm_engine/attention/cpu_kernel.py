@@ -35,6 +35,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from vlm_engine.models.cpu_isa import march_flag
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -50,8 +52,6 @@ _SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
 
 
 def _flag_sets() -> list[list[str]]:
-    from vlm_engine.models.cpu_isa import march_flag
-
     return [
         ["-O3", march_flag(), "-fopenmp", "-fno-math-errno"],
         ["-O3", "-fopenmp"],  # e.g. a compiler that does not know -march=native
@@ -66,8 +66,6 @@ def _cache_root() -> Path:
 
 def _cpu_tag() -> str:
     """Short hash of the host ISA and the -march (the .so is built for one, so don't share across CPUs)."""
-    from vlm_engine.models.cpu_isa import march_flag
-
     parts = [platform.machine(), march_flag()]
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:

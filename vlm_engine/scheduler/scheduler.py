@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from vlm_engine.cache.page_hash import page_hashes
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.inputs import context_exceeded
 from vlm_engine.scheduler.request import Request, RequestStatus
 
 
@@ -126,10 +127,7 @@ class Scheduler:
             raise RequestRejected(f"duplicate request id {request.request_id!r}")
         limit = self.config.max_model_len
         if request.num_prompt_tokens >= limit:
-            raise RequestRejected(
-                f"the prompt has {request.num_prompt_tokens} tokens, but this model's context is {limit} "
-                f"tokens and at least one must be left to generate"
-            )
+            raise RequestRejected(context_exceeded(request.num_prompt_tokens, limit))
         if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
             raise RequestRejected(
                 f"the prompt has {request.num_prompt_tokens} tokens, more than max_num_batched_tokens "

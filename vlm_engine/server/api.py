@@ -367,6 +367,7 @@ class Generation:
 def build_app(state: ServerState) -> FastAPI:
     config = state.config
     client = state.client
+    retry_later = {"Retry-After": str(config.retry_after_s)}  # on the 503s a client should retry
     app = FastAPI(title="vlm-engine", docs_url=None, redoc_url=None, openapi_url=None)
     if config.allowed_origins:
         app.add_middleware(
@@ -404,7 +405,7 @@ def build_app(state: ServerState) -> FastAPI:
                 503,
                 "the model is still loading",
                 type="server_error",
-                headers={"Retry-After": str(config.retry_after_s)},
+                headers=retry_later,
             )
 
     async def read_json(request: Request) -> Any:
@@ -443,7 +444,7 @@ def build_app(state: ServerState) -> FastAPI:
                 "too many requests are waiting; try again later",
                 type="server_error",
                 code="server_overloaded",
-                headers={"Retry-After": str(config.retry_after_s)},
+                headers=retry_later,
             )
         request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         return await Generation(state, request, parsed, request_id).respond()

@@ -22,9 +22,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from preprocess.errors import MediaError
 from vlm_engine import ipc
 from vlm_engine.metrics.request_tracker import RequestTracker
-from vlm_engine.server.media_fetch import MediaFetcher, MediaFetchError, remote_parts
+from vlm_engine.server.media_fetch import MediaFetcher, remote_parts
 from vlm_engine.server.protocol import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ class EngineClient:
         assert self.fetcher is not None
         try:
             msg.messages, seconds = await self.fetcher.fetch_all(msg.messages, msg.media_deadline)
-        except MediaFetchError as exc:
+        except MediaError as exc:
             for rid in engine_ids:
                 self._route_error(ipc.RequestError(rid, 400, exc.message, "invalid_request_error", exc.param))
             return

@@ -43,15 +43,6 @@ class RemotePart:
         return f"messages[{self.message}].content[{self.part}]"
 
 
-class MediaFetchError(ValueError):
-    """A URL that could not be fetched: a 400 naming the part."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
 def remote_parts(messages: Any) -> list[RemotePart]:
     """The parts of an OpenAI message list that name http(s) URLs (nothing else is touched; the
     worker validates the rest of the shape)."""
@@ -99,7 +90,7 @@ class MediaFetcher:
 
     async def fetch_all(self, messages: list[Any], deadline: float | None) -> tuple[list[Any], float]:
         """`messages` with every http(s) source replaced by its bytes, and the seconds it took.
-        Raises `MediaFetchError` for the first part that fails, or when the request's media time
+        Raises `MediaError` (naming the part in `param`) for the first part that fails, or when the request's media time
         budget (`deadline`, time.monotonic()) runs out first."""
         parts = remote_parts(messages)
         if not parts:
@@ -114,9 +105,9 @@ class MediaFetcher:
                     raise task.exception()  # type: ignore[misc]
             if pending:
                 stalled = next(part for part, task in tasks.items() if task in pending)
-                raise MediaFetchError(
+                raise MediaError(
                     f"{stalled.where}: fetching media took longer than this request's media time budget",
-                    stalled.where,
+                    param=stalled.where,
                 )
         finally:
             for task in tasks.values():
@@ -130,4 +121,4 @@ class MediaFetcher:
             except MediaError as exc:
                 # Images name the part in `param` only (as the worker does); videos prefix it too.
                 message = exc.message if part.kind == "image" else f"{part.where}: {exc.message}"
-                raise MediaFetchError(message, part.where) from None
+                raise MediaError(message, param=part.where) from None

@@ -189,11 +189,10 @@ def _sampling(
     body: dict[str, Any], max_tokens: int, logprobs: int | None, constraint: StructuredOutput | None = None
 ) -> SamplingParams:
     top_k = _get(body, "top_k", int, 0)
-    temperature = _number(body, "temperature", 1.0)  # SamplingParams raises tiny ones to its floor
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=temperature,
+            temperature=_number(body, "temperature", 1.0),  # SamplingParams raises tiny ones to its floor
             top_p=_number(body, "top_p", 1.0),
             top_k=top_k,
             seed=_get(body, "seed", int),
