@@ -13,6 +13,7 @@ import base64
 import itertools
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -247,10 +248,15 @@ def test_upload_when_the_camera_is_denied_and_newer_photos_win(playwright: Any, 
     )
     page.dispatch_event("#drop-zone", "drop", {"dataTransfer": drop})
     page.wait_for_function("window.__placard.at(-1).state === 'streaming'", timeout=PLACARD_DONE_S * 1000)
-    before = len(history(page))
     upload(page, "chelsea")
-    done = wait_done(page, after=1)
+    # The switch is the moment the dropped photo's request is aborted: its tokens may still render
+    # between the upload and that moment (the page reads the new file first), never after it.
+    deadline = time.monotonic() + 30
+    while "requestfailed" not in page.chat_log and time.monotonic() < deadline:
+        page.wait_for_timeout(20)  # lets Playwright deliver the request events
     assert "requestfailed" in page.chat_log  # the dropped photo's request was aborted
+    before = len(history(page))
+    done = wait_done(page, after=1)
     final = done[-1]
     assert "cat" in (final["title"] + final["description"]).lower(), final
     # After the switch, every title shown was a prefix of the cat's (or the dimmed old placard).
