@@ -47,6 +47,10 @@ class MachineCeilings:
     torch_version: str
     matmul_n: int  # the fp32 matmul's size
     matmul_bf16_n: int | None = None  # the bf16 one's, when smaller (None: matmul_n; see matmul_size)
+    # The CPU tier torch and our kernels ran at (cpu_isa.isa_tier): VLM_ENGINE_ISA=avx2 with
+    # ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS capped makes an AVX-512
+    # CPU an AVX2 one, whose ceilings are its own.
+    isa: str = ""
 
     @property
     def mem_bytes_s(self) -> float:
@@ -63,8 +67,14 @@ class MachineCeilings:
             f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32, "
             f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16{bf16_size}; "
             f"memory read {self.mem_read_bytes_s / 1e9:.1f} GB/s, "
-            f"copy {self.mem_copy_bytes_s / 1e9:.1f} GB/s ({self.threads} threads, {self.cpu})"
+            f"copy {self.mem_copy_bytes_s / 1e9:.1f} GB/s ({self.threads} threads, {self.cpu}, tier {self.isa or '?'})"
         )
+
+
+def isa_tier() -> str:
+    from vlm_engine.models.cpu_isa import isa_tier as tier
+
+    return tier()
 
 
 def cpu_name() -> str:
@@ -143,6 +153,7 @@ def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) ->
         torch_version=torch.__version__,
         matmul_n=n32,
         matmul_bf16_n=n16 if n16 != n32 else None,
+        isa=isa_tier(),
     )
 
 
@@ -153,10 +164,11 @@ def machine_ceilings(refresh: bool = False, path: Path = MACHINE_CACHE) -> Machi
     if not refresh and path.exists():
         try:
             cached = MachineCeilings(**json.loads(path.read_text()))
-            if (cached.cpu, cached.threads, cached.torch_version) == (
+            if (cached.cpu, cached.threads, cached.torch_version, cached.isa) == (
                 cpu_name(),
                 torch.get_num_threads(),
                 torch.__version__,
+                isa_tier(),
             ):
                 return cached
         except (TypeError, ValueError):

@@ -56,6 +56,9 @@ class BenchConfig:
     dtype: str | None = None  # served dtype, for the roofline (None: the checkpoint's)
     api_key: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # WorkloadSpec fields
+    # Index of the first measured request. A caller that runs one point per call passes the
+    # requests already sent, so a later point's prompts and images are fresh, not cache hits.
+    first_index: int = 0
 
     @property
     def chat_url(self) -> str:
@@ -186,7 +189,7 @@ def run_workload(
         if not record.ok:
             log(f"  warm-up request failed: {record.error}")
     points = []
-    first_index = 0
+    first_index = cfg.first_index
     for point in load_points(cfg):
         before = C.scrape_metrics(cfg.base_url)
         records, duration = asyncio.run(

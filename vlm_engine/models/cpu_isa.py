@@ -6,7 +6,8 @@ only); every fast path asks here first and falls back to plain torch ops where i
 `VLM_ENGINE_ISA=avx2` makes a bigger CPU behave as an AVX2 + FMA one: the AVX-512 / AMX flags
 are hidden from every check here and our C++ kernels are built with `-march=x86-64-v3`, so an
 AVX-512 machine can test and measure the path Zen 3 runs. (Torch's own kernels dispatch on the
-real CPU; `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` cap those, set them too.)
+real CPU; `ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2` and `MKL_ENABLE_INSTRUCTIONS=AVX2`
+cap those (ATen, oneDNN, MKL), set them too.)
 """
 
 from __future__ import annotations
