@@ -304,6 +304,42 @@ def test_panel_linear_matches_f_linear(ops, n: int, k: int) -> None:
         ops.panel_linear(torch.ones(1, k + 1), panels, n)
 
 
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100), (5, 3)])
+def test_bf16_panel_linear_is_the_fp32_product_rounded_once(ops, n: int, k: int) -> None:
+    """bf16 panels: the exact fp32 product of the bf16 numbers (summed in another order), rounded
+    to bf16 once, as oneDNN's bf16 kernels accumulate."""
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, k, generator=g).to(BF16), torch.randn(n, generator=g).to(BF16)
+    panels = ops.pack_panels(w)
+    assert panels.dtype == BF16 and tuple(panels.shape) == ((n + 15) // 16, k, 16)
+    for rows in (1, 2, 4, 7):
+        x = torch.randn(rows, k, generator=g).to(BF16)
+        for bias in (b, None):
+            got = ops.panel_linear(x, panels, n, bias)
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            assert got.dtype == BF16
+            # Within one bf16 rounding of the fp32 result (which itself differs only by summation order).
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5 * k**0.5)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.panel_linear(torch.ones(1, k), panels, n)  # fp32 x on bf16 panels
+
+
+def test_bf16_packed_linear_takes_panels_for_few_rows_and_onednn_above(ops) -> None:
+    if not prepack_supported(torch.device("cpu"), BF16):
+        pytest.skip("oneDNN cannot pack bf16 weights on this CPU")
+    from vlm_engine.models.prepack import BF16_PANEL_MAX_ROWS
+
+    linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
+    packed = PackedLinear(linear, ops)
+    assert packed._panels is not None and "oneDNN above" in repr(packed)
+    x = randn(BF16_PANEL_MAX_ROWS + 3, 96, seed=5)
+    panel_rows = x[:BF16_PANEL_MAX_ROWS]
+    assert torch.equal(packed(panel_rows), ops.panel_linear(panel_rows, packed._panels, 40, packed.bias))
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], "")
+    assert torch.equal(packed(x), onednn)
+    torch.testing.assert_close(packed(panel_rows).float(), linear(panel_rows).float(), rtol=2**-7, atol=1e-3)
+
+
 def test_fp32_packed_linear_on_panels_is_close_and_batch_invariant(ops) -> None:
     """With the fused-ops extension fp32 linears run on panels: close to F.linear, a row's bits
     independent of the rows sharing the call, and no dense copy of the weight kept."""

@@ -4,11 +4,19 @@ bf16: oneDNN reorders a plain [out, in] weight into its blocked layout on every 
 once at load time made bf16 linears 1.15-2x faster at decode batch sizes on the 2-core Zen 4 EPYC
 (576->49,152 at M=16: 6.0 ms -> 3.0 ms; 1,536->8,960 at M=64: 4.9 ms -> 4.3 ms), bit-identical.
 
+bf16 at a few rows (the batch-1 decode) is a pure weight stream, and oneDNN's packed bf16 kernel
+streamed SmolLM2's decoder weights at only ~11 GB/s at M=1 on that machine (47 GB/s measured):
+up to `BF16_PANEL_MAX_ROWS` rows the fused-ops panel kernel runs instead (bf16 panels widened to
+fp32 in registers, fp32 FMAs, one rounding to bf16; AVX2 + FMA, so it needs no bf16 instructions).
+Such a linear keeps both layouts: twice the bf16 weight memory, for the decode that is most
+latency-bound.
+
 fp32: the fused-ops extension's panel kernel (`pack_panels` / `panel_linear`, 16-row panels,
 AVX2+FMA) where it is vectorised, else oneDNN's packed fp32 kernel. On Zen 3, all SmolLM2 linears
 of a step: F.linear 51 / 118 / 243 ms at M = 1 / 16 / 64, oneDNN packed 31 / 47-56 / 127-153,
-panels 21 / 36 / 103. Both sum in another order than Transformers' F.linear, so fp32 is packed
-only in fast numerics; "exact" keeps Transformers' ops.
+panels 21 / 36 / 103. Both sum in another order than Transformers' F.linear (the bf16 panels also
+in another order than oneDNN's), so linears are packed only in fast numerics; "exact" keeps
+Transformers' ops.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ logger = logging.getLogger(__name__)
 # at M=1-16. Either hint gives rows that do not depend on the batch (F.linear's do, for M <= 3).
 PACK_BATCH_HINT = {torch.bfloat16: 64, torch.float32: 16}
 
+# bf16 linears with at most this many rows take the panel kernel, more rows oneDNN's (which has
+# bf16 dot products: twice the FLOP rate once the product is compute-bound). All SmolLM2 decoder
+# linears (212 MB of bf16 weights) on the 2-core Zen 4, oneDNN packed vs panels, ms: M=1 19.8 vs
+# 9.5, M=2 21.2 vs 12.2, M=3 19.4 vs 14.8, M=4 18.8 vs 16.6, M=6 18.2 vs 21.5, M=8 21.3 vs 27.1.
+BF16_PANEL_MAX_ROWS = 4
+
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
@@ -43,7 +57,8 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight lives in oneDNN's blocked layout, or (fp32 with
-    `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`."""
+    `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`; bf16
+    with `panel_ops` keeps both, panels for up to BF16_PANEL_MAX_ROWS rows."""
 
     def __init__(self, linear: nn.Linear, panel_ops: ModuleType | None = None) -> None:
         super().__init__()
@@ -52,9 +67,11 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         self.dtype = weight.dtype
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        self._panel_ops = panel_ops if self.dtype == torch.float32 else None
-        self._panels = None if self._panel_ops is None else self._panel_ops.pack_panels(weight)
-        if self._panels is not None:
+        self._panel_ops = panel_ops
+        self._panels = None if panel_ops is None else panel_ops.pack_panels(weight)
+        # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
+        self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
+        if self._panels is not None and self._panel_max_rows is None:
             # A storage-free stand-in that reports dtype, device and the logical [out, in] shape.
             self.weight = weight.new_zeros(()).expand(self.out_features, self.in_features)
         else:
@@ -69,7 +86,7 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        if self._panels is not None:
+        if self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
             assert self._panel_ops is not None
             out = self._panel_ops.panel_linear(flat, self._panels, self.out_features, self.bias)
         else:
@@ -77,7 +94,12 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        layout = "panels" if self._panels is not None else "oneDNN"
+        if self._panels is None:
+            layout = "oneDNN"
+        elif self._panel_max_rows is None:
+            layout = "panels"
+        else:
+            layout = f"panels up to {self._panel_max_rows} rows, oneDNN above"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
 
 
@@ -100,8 +122,9 @@ def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None) -> in
         setattr(parent, name, PackedLinear(child, panel_ops))
     for dtype in dtypes:
         _check_close_to_plain_linear(dtype, panel_ops)
+    kernel_names = {torch.float32: "panels", torch.bfloat16: f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above"}
     kernels = ", ".join(
-        f"{str(d).removeprefix('torch.')}: {'panels' if d == torch.float32 and panel_ops is not None else 'oneDNN'}"
+        f"{str(d).removeprefix('torch.')}: {kernel_names[d] if panel_ops is not None else 'oneDNN'}"
         for d in sorted(dtypes, key=str)
     )
     logger.info("prepacked %d linear layers (%s)", len(linears), kernels or "none")

@@ -283,102 +283,155 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 // rows, so results do not depend on the batch. On Zen 3 (AVX2), all SmolLM2 linears of a step,
 // weights cycling through memory, against oneDNN's packed fp32 kernel: M=1 21 vs 31 ms (25 GB/s of
 // the machine's 27), M=8 23 vs 32 ms, M=16 36 vs 47 ms, M=64 103 vs 127 ms (166 GFLOP/s).
+//
+// bf16 weights (pack_panels keeps the weight's dtype) use the same panels, each 16-wide row stored
+// with its middle two quarters swapped so that two unpacks widen it to fp32 in registers (exact);
+// the FMAs run in fp32 on x widened to fp32, and the result is rounded to bf16 once: the fp32
+// product of the bf16 numbers, as oneDNN's bf16 kernels accumulate. This is for the few-row
+// decode, which only streams weights: half the bytes of fp32, no bf16 dot-product instructions.
+// With one or two rows an FMA chain per 8 outputs would wait on its own latency between inputs,
+// so bf16 sums interleaved inputs in 4 (1 row) or 2 (2 rows) partial chains, added at the end:
+// another summation order than the fp32 panels, whose one-chain order keeps rows batch-invariant.
 constexpr int64_t kPanel = 16;
 
-at::Tensor pack_panels(const at::Tensor& w) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2, "w must be a CPU fp32 [N, K] tensor");
-  const at::Tensor src = w.contiguous();
-  const int64_t n = src.size(0), k = src.size(1), panels = (n + kPanel - 1) / kPanel;
-  at::Tensor out = at::zeros({panels, k, kPanel}, src.options());
-  const float* sp = src.data_ptr<float>();
-  float* dp = out.data_ptr<float>();
+// Slot of column c in a stored bf16 panel row (quarters 1 and 2 swapped; see load_panel_row).
+constexpr int64_t bf16_slot(int64_t c) { return c < 4 || c >= 12 ? c : (c < 8 ? c + 4 : c - 4); }
+
+template <typename T>
+void pack_rows(const T* sp, T* dp, int64_t n, int64_t k, int64_t panels) {
+  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t c = 0; c < kPanel && p * kPanel + c < n; ++c) {
-        const float* row = sp + (p * kPanel + c) * k;
-        float* col = dp + p * k * kPanel + c;
+        const T* row = sp + (p * kPanel + c) * k;
+        T* col = dp + p * k * kPanel + (kBf16 ? bf16_slot(c) : c);
         for (int64_t i = 0; i < k; ++i) col[i * kPanel] = row[i];
       }
     }
   });
+}
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2, "w must be a CPU [N, K] tensor");
+  const bool bf = is_bf16(w, "w");
+  const at::Tensor src = w.contiguous();
+  const int64_t n = src.size(0), k = src.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, k, kPanel}, src.options());
+  if (bf) {
+    pack_rows(Bf16Elem::data(src), Bf16Elem::data(out), n, k, panels);
+  } else {
+    pack_rows(src.data_ptr<float>(), out.data_ptr<float>(), n, k, panels);
+  }
   return out;
 }
+
+// Output rows: fp32, or bf16 rounded once from the fp32 sum.
+inline void store_out(float* y, float v) { *y = v; }
+inline void store_out(uint16_t* y, float v) { *y = float_to_bits(v); }
 
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr bool kPanelVectorized = true;
 
+// One 16-wide weight row as two fp32 vectors. Aligned loads: panels come from at::zeros (64-byte
+// aligned) in whole rows of 64 (fp32) or 32 (bf16) bytes.
+inline void load_panel_row(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_load_ps(w);
+  w1 = _mm256_load_ps(w + 8);
+}
+
+// bf16 -> fp32 is the 16 bits moved to the top of a 32-bit lane: unpacking with zeros does that
+// per 128-bit lane, giving slots 0-3, 8-11 and 4-7, 12-15, i.e. columns 0-7 and 8-15 (bf16_slot).
+inline void load_panel_row(const uint16_t* w, __m256& w0, __m256& w1) {
+  const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(w));
+  const __m256i zero = _mm256_setzero_si256();
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+// Partial FMA chains per accumulator (see above): fp32 always 1; bf16 4 / 2 / 1 for 1 / 2 / 3+ rows.
+template <int MR, typename W>
+constexpr int kChains = std::is_same_v<W, float> ? 1 : (MR == 1 ? 4 : (MR == 2 ? 2 : 1));
+
 // The FMA loop over inputs [k0, k1), accumulating into an aligned [MR][16] block (zeroed first
 // when `first`). This shape is measured, not derived: one function doing the loop, bias and
 // partial-panel copy together compiled (gcc) to a loop 2-3x slower at MR = 6.
-template <int MR>
-inline void panel_block(const float* x, int64_t xs, const float* w, int64_t k0, int64_t k1, float* acc, bool first) {
-  __m256 lo[MR], hi[MR];
+template <int MR, typename W>
+inline void panel_block(const float* x, int64_t xs, const W* w, int64_t k0, int64_t k1, float* acc, bool first) {
+  constexpr int S = kChains<MR, W>;
+  __m256 lo[S][MR], hi[S][MR];
   for (int r = 0; r < MR; ++r) {
-    lo[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel);
-    hi[r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + 8);
+    lo[0][r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel);
+    hi[0][r] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + r * kPanel + 8);
+    for (int c = 1; c < S; ++c) lo[c][r] = hi[c][r] = _mm256_setzero_ps();
   }
-  for (int64_t i = k0; i < k1; ++i) {
-    // Aligned loads: panels come from at::zeros (64-byte aligned) in whole 64-byte rows.
-    const __m256 w0 = _mm256_load_ps(w + i * kPanel);
-    const __m256 w1 = _mm256_load_ps(w + i * kPanel + 8);
+  int64_t i = k0;
+  for (; i + S <= k1; i += S) {
+#pragma GCC unroll 4
+    for (int c = 0; c < S; ++c) {
+      __m256 w0, w1;
+      load_panel_row(w + (i + c) * kPanel, w0, w1);
 #pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * xs + i + c);
+        lo[c][r] = _mm256_fmadd_ps(xb, w0, lo[c][r]);
+        hi[c][r] = _mm256_fmadd_ps(xb, w1, hi[c][r]);
+      }
+    }
+  }
+  for (; i < k1; ++i) {
+    __m256 w0, w1;
+    load_panel_row(w + i * kPanel, w0, w1);
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * xs + i);
-      lo[r] = _mm256_fmadd_ps(xb, w0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(xb, w1, hi[r]);
+      lo[0][r] = _mm256_fmadd_ps(xb, w0, lo[0][r]);
+      hi[0][r] = _mm256_fmadd_ps(xb, w1, hi[0][r]);
     }
   }
   for (int r = 0; r < MR; ++r) {
-    _mm256_store_ps(acc + r * kPanel, lo[r]);
-    _mm256_store_ps(acc + r * kPanel + 8, hi[r]);
+    for (int c = 1; c < S; ++c) {
+      lo[0][r] = _mm256_add_ps(lo[0][r], lo[c][r]);
+      hi[0][r] = _mm256_add_ps(hi[0][r], hi[c][r]);
+    }
+    _mm256_store_ps(acc + r * kPanel, lo[0][r]);
+    _mm256_store_ps(acc + r * kPanel + 8, hi[0][r]);
   }
 }
 
 constexpr int64_t kPanelChunk = 256;  // inputs per pass: 16 KB of panel stays in L1 for all rows
 
-template <int MR>
-inline void panel_rows(const float* x, int64_t xs, const float* w, int64_t k, const float* bias, float* y, int64_t ys,
+template <int MR, typename W, typename O>
+inline void panel_rows(const float* x, int64_t xs, const W* w, int64_t k, const float* bias, O* y, int64_t ys,
                        int64_t ncols) {
   alignas(32) float acc[MR * kPanel];
   for (int64_t k0 = 0; k0 < k; k0 += kPanelChunk) panel_block<MR>(x, xs, w, k0, std::min(k, k0 + kPanelChunk), acc, k0 == 0);
   for (int r = 0; r < MR; ++r)
-    for (int64_t c = 0; c < ncols; ++c) y[r * ys + c] = acc[r * kPanel + c] + (bias ? bias[c] : 0.f);
+    for (int64_t c = 0; c < ncols; ++c) store_out(y + r * ys + c, acc[r * kPanel + c] + (bias ? bias[c] : 0.f));
 }
 #else
 constexpr bool kPanelVectorized = false;
 
-template <int MR>
-inline void panel_rows(const float* x, int64_t xs, const float* w, int64_t k, const float* bias, float* y, int64_t ys,
+inline float panel_weight(const float* row, int64_t c) { return row[c]; }
+inline float panel_weight(const uint16_t* row, int64_t c) { return bits_to_float(row[bf16_slot(c)]); }
+
+template <int MR, typename W, typename O>
+inline void panel_rows(const float* x, int64_t xs, const W* w, int64_t k, const float* bias, O* y, int64_t ys,
                        int64_t ncols) {
   for (int r = 0; r < MR; ++r) {
     float acc[kPanel] = {};
     for (int64_t i = 0; i < k; ++i)
-      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[r * xs + i] * w[i * kPanel + c];
-    for (int64_t c = 0; c < ncols; ++c) y[r * ys + c] = acc[c] + (bias ? bias[c] : 0.f);
+      for (int64_t c = 0; c < kPanel; ++c) acc[c] += x[r * xs + i] * panel_weight(w + i * kPanel, c);
+    for (int64_t c = 0; c < ncols; ++c) store_out(y + r * ys + c, acc[c] + (bias ? bias[c] : 0.f));
   }
 }
 #endif
 
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
-  check_rows(x, "x", at::kFloat);
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() && panels.scalar_type() == at::kFloat,
-              "panels must come from pack_panels");
-  const int64_t m = x.size(0), k = x.size(1);
-  TORCH_CHECK(panels.size(1) == k, "x has ", k, " features, the weight ", panels.size(1));
-  TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel, "n does not match the panels");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
-    bp = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t xs = x.stride(0);
-  at::parallel_for(0, panels.size(0), 4, [&](int64_t begin, int64_t end) {
+// y [m, n] (fp32 or bf16) = x [m, k] fp32 (row stride xs) times the panels, plus bias (fp32 or null).
+template <typename W, typename O>
+void panel_product(const float* xp, int64_t xs, int64_t m, const W* wp, int64_t panels, int64_t k, int64_t n,
+                   const float* bp, O* yp) {
+  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      const float* w = wp + p * k * kPanel;
+      const W* w = wp + p * k * kPanel;
       const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
       const float* b = bp ? bp + c0 : nullptr;
       int64_t r = 0;
@@ -393,6 +446,36 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
       }
     }
   });
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  const bool bf = is_bf16(x, "x");
+  check_rows(x, "x", bf ? at::kBFloat16 : at::kFloat);
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() && panels.scalar_type() == x.scalar_type(),
+              "panels must come from pack_panels, in x's dtype");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(panels.size(1) == k, "x has ", k, " features, the weight ", panels.size(1));
+  TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel, "n does not match the panels");
+  at::Tensor bias32;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == n, "bias must be [n] in x's dtype");
+    bias32 = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (!bf) {
+    panel_product(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, n, bp, y.data_ptr<float>());
+    return y;
+  }
+  // bf16: x widened to fp32 once (exact; a few rows: a plain buffer, not a tensor, whose dispatch
+  // cost more than the loop), each output rounded to bf16 once.
+  std::vector<float> x32(static_cast<size_t>(m * k));
+  const uint16_t* xb = Bf16Elem::data(x);
+  for (int64_t r = 0; r < m; ++r) {
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) x32[r * k + i] = bits_to_float(xb[r * x.stride(0) + i]);
+  }
+  panel_product(x32.data(), k, m, Bf16Elem::data(panels), panels.size(0), k, n, bp, Bf16Elem::data(y));
   return y;
 }
 
@@ -504,43 +587,53 @@ inline void decode16(const uint8_t* codes, __m256& lo, __m256& hi) {
   }
 }
 
+// gs: per row (stride gss) and group the sum of x over the group's 32 inputs, for the minimum term
+// (computed once per call, not per panel). With one or two rows the group's dot product runs as 4
+// or 2 interleaved partial FMA chains, added at the end (all SmolLM2 int4 linears on the 2-core
+// Zen 4: M=2 9.0 -> 8.3 ms, M=4 16.9 -> 14.0 ms; M=1 unchanged at 7.0 ms, ~10 GB/s of codes: it is
+// bound by decoding codes to fp32, about 10 instructions per 16 weights, not by the chains).
 template <int Bits, int MR>
-inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t k,
-                             const float* bias, float* y, int64_t ys, int64_t ncols) {
+inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_t gss, const uint8_t* codes,
+                             const uint16_t* scales, int64_t k, const float* bias, float* y, int64_t ys, int64_t ncols) {
   constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
+  constexpr int S = MR == 1 ? 4 : (MR == 2 ? 2 : 1);  // divides kGroup
   __m256 acc_lo[MR], acc_hi[MR];
   for (int r = 0; r < MR; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
-    __m256 g_lo[MR], g_hi[MR];
-    float xsum[MR];
-    for (int r = 0; r < MR; ++r) {
-      g_lo[r] = g_hi[r] = _mm256_setzero_ps();
-      xsum[r] = 0.f;
-    }
-    for (int64_t i = g0; i < g0 + kGroup; ++i) {
-      __m256 q_lo, q_hi;
-      decode16<Bits>(codes + i * kCodeCols, q_lo, q_hi);
+    __m256 g_lo[S][MR], g_hi[S][MR];
+    for (int c = 0; c < S; ++c)
+      for (int r = 0; r < MR; ++r) g_lo[c][r] = g_hi[c][r] = _mm256_setzero_ps();
+    for (int64_t i = g0; i < g0 + kGroup; i += S) {
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        const float xv = x[r * xs + i];
-        xsum[r] += xv;
-        const __m256 xb = _mm256_set1_ps(xv);
-        g_lo[r] = _mm256_fmadd_ps(xb, q_lo, g_lo[r]);
-        g_hi[r] = _mm256_fmadd_ps(xb, q_hi, g_hi[r]);
+      for (int c = 0; c < S; ++c) {
+        __m256 q_lo, q_hi;
+        decode16<Bits>(codes + (i + c) * kCodeCols, q_lo, q_hi);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256 xb = _mm256_set1_ps(x[r * xs + i + c]);
+          g_lo[c][r] = _mm256_fmadd_ps(xb, q_lo, g_lo[c][r]);
+          g_hi[c][r] = _mm256_fmadd_ps(xb, q_hi, g_hi[c][r]);
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      for (int c = 1; c < S; ++c) {
+        g_lo[0][r] = _mm256_add_ps(g_lo[0][r], g_lo[c][r]);
+        g_hi[0][r] = _mm256_add_ps(g_hi[0][r], g_hi[c][r]);
       }
     }
     const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
     for (int r = 0; r < MR; ++r) {
-      acc_lo[r] = _mm256_fmadd_ps(d_lo, g_lo[r], acc_lo[r]);
-      acc_hi[r] = _mm256_fmadd_ps(d_hi, g_hi[r], acc_hi[r]);
+      acc_lo[r] = _mm256_fmadd_ps(d_lo, g_lo[0][r], acc_lo[r]);
+      acc_hi[r] = _mm256_fmadd_ps(d_hi, g_hi[0][r], acc_hi[r]);
     }
     if constexpr (Bits == 4) {
       const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel)));
       const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel + 8)));
       for (int r = 0; r < MR; ++r) {
-        const __m256 xb = _mm256_set1_ps(xsum[r]);
+        const __m256 xb = _mm256_set1_ps(gs[r * gss + g0 / kGroup]);
         acc_lo[r] = _mm256_fmadd_ps(m_lo, xb, acc_lo[r]);
         acc_hi[r] = _mm256_fmadd_ps(m_hi, xb, acc_hi[r]);
       }
@@ -557,23 +650,22 @@ inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, c
 constexpr bool kQuantVectorized = false;
 
 template <int Bits, int MR>
-inline void quant_panel_rows(const float* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t k,
-                             const float* bias, float* y, int64_t ys, int64_t ncols) {
+inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_t gss, const uint8_t* codes,
+                             const uint16_t* scales, int64_t k, const float* bias, float* y, int64_t ys, int64_t ncols) {
   constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
   for (int r = 0; r < MR; ++r) {
     for (int64_t c = 0; c < ncols; ++c) {
       float acc = 0.f;
       for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
-        float dot = 0.f, xsum = 0.f;
+        float dot = 0.f;
         for (int64_t i = g0; i < g0 + kGroup; ++i) {
           const uint8_t* b = codes + i * kCodeCols;
           const float q = Bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(b)[c])
                                     : static_cast<float>(c < 8 ? (b[c] & 0x0F) : (b[c - 8] >> 4));
           dot += q * x[r * xs + i];
-          xsum += x[r * xs + i];
         }
         const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
-        acc += half_value(sc[c]) * dot + half_value(sc[kPanel + c]) * xsum;
+        acc += half_value(sc[c]) * dot + half_value(sc[kPanel + c]) * gs[r * gss + g0 / kGroup];
       }
       y[r * ys + c] = acc + (bias ? bias[c] : 0.f);
     }
@@ -602,6 +694,15 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
   const int64_t xs = x.stride(0), code_bytes = k * codes.size(2), scale_count = (k / kGroup) * 2 * kPanel;
+  const int64_t groups = k / kGroup;
+  std::vector<float> gsum(static_cast<size_t>(m * groups), 0.f);  // x summed per group (int4's minimum term)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) t += xp[r * xs + g * kGroup + i];
+      gsum[r * groups + g] = t;
+    }
+  const float* gs = gsum.data();
   auto run = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
@@ -611,8 +712,9 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
         const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
         const float* b = bp ? bp + c0 : nullptr;
         int64_t r = 0;
-        for (; r + 2 <= m; r += 2) quant_panel_rows<B, 2>(xp + r * xs, xs, c, sc, k, b, yp + r * n + c0, n, ncols);
-        if (r < m) quant_panel_rows<B, 1>(xp + r * xs, xs, c, sc, k, b, yp + r * n + c0, n, ncols);
+        for (; r + 2 <= m; r += 2)
+          quant_panel_rows<B, 2>(xp + r * xs, xs, gs + r * groups, groups, c, sc, k, b, yp + r * n + c0, n, ncols);
+        if (r < m) quant_panel_rows<B, 1>(xp + r * xs, xs, gs + r * groups, groups, c, sc, k, b, yp + r * n + c0, n, ncols);
       }
     });
   };
