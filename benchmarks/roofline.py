@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MACHINE_CACHE = RESULTS / "machine.json"
+# One cache file per CPU tier, so alternating native and VLM_ENGINE_ISA=avx2 runs keep both.
+MACHINE_CACHE = RESULTS / "machine-{tier}.json"
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
 
@@ -157,9 +158,11 @@ def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) ->
     )
 
 
-def machine_ceilings(refresh: bool = False, path: Path = MACHINE_CACHE) -> MachineCeilings:
-    """Cached ceilings for this CPU / thread count / torch, measured (a few s) when missing or stale."""
+def machine_ceilings(refresh: bool = False, path: Path | None = None) -> MachineCeilings:
+    """Cached ceilings for this CPU / thread count / torch / tier, measured (a few s) when missing or stale."""
     import torch
+
+    path = path or Path(str(MACHINE_CACHE).format(tier=isa_tier()))
 
     if not refresh and path.exists():
         try:

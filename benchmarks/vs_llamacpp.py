@@ -1,7 +1,7 @@
 """Our server against llama.cpp's `llama-server` on this CPU, same weights, same client, one run.
 
-    .venv/bin/python benchmarks/vs_llamacpp.py                 # the full table (~25 min on 2 cores)
-    .venv/bin/python benchmarks/vs_llamacpp.py --quick         # fewer requests per point (~8 min)
+    .venv/bin/python benchmarks/vs_llamacpp.py                 # the full table (~30 min on 2 cores)
+    .venv/bin/python benchmarks/vs_llamacpp.py --quick         # fewer requests per point (~10 min)
     .venv/bin/python benchmarks/vs_llamacpp.py --build         # build llama-server first if none is found
     VLM_ENGINE_ISA=avx2 .venv/bin/python benchmarks/vs_llamacpp.py --build   # an AVX-512 CPU as AVX2 + FMA
 
