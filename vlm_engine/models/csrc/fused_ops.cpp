@@ -348,9 +348,13 @@ inline void load_panel_row(const uint16_t* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// Partial FMA chains per accumulator (see above): fp32 always 1; bf16 4 / 2 / 1 for 1 / 2 / 3+ rows.
+// Partial FMA chains per accumulator for MR rows: with 4 / 2 the 8 FMA chains of 1 / 2 rows hide
+// the FMA latency; 3+ rows have enough chains. Used by the bf16 and the quantized panels (the fp32
+// panels keep one chain: their summation order keeps rows batch-invariant).
+constexpr int split_chains(int mr) { return mr == 1 ? 4 : (mr == 2 ? 2 : 1); }
+
 template <int MR, typename W>
-constexpr int kChains = std::is_same_v<W, float> ? 1 : (MR == 1 ? 4 : (MR == 2 ? 2 : 1));
+constexpr int kChains = std::is_same_v<W, float> ? 1 : split_chains(MR);
 
 // The FMA loop over inputs [k0, k1), accumulating into an aligned [MR][16] block (zeroed first
 // when `first`). This shape is measured, not derived: one function doing the loop, bias and
@@ -596,7 +600,7 @@ template <int Bits, int MR>
 inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_t gss, const uint8_t* codes,
                              const uint16_t* scales, int64_t k, const float* bias, float* y, int64_t ys, int64_t ncols) {
   constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
-  constexpr int S = MR == 1 ? 4 : (MR == 2 ? 2 : 1);  // divides kGroup
+  constexpr int S = split_chains(MR);  // divides kGroup
   __m256 acc_lo[MR], acc_hi[MR];
   for (int r = 0; r < MR; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
