@@ -43,11 +43,36 @@ def test_kernel_equals_the_weights_it_stands_for(ops, bits: int, n: int, k: int)
         step, codes_max = (groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)) / 15, 15
     bound = 0.5 * step + codes_max * step * 2**-11 + absmax * 2**-11 + 1e-7
     assert ((deq - w).view(n, k // 32, 32).abs() <= bound).all()
+    minima = _group_minima(scales, n, k)
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k, generator=g)
-        torch.testing.assert_close(ops.quant_panel_linear(x, codes, scales, n, bits, b), F.linear(x, deq, b), rtol=1e-5, atol=1e-4)
+        got = ops.quant_panel_linear(x, codes, scales, n, bits, b)
+        torch.testing.assert_close(got, _reference_product(x, deq, minima, b), rtol=1e-5, atol=1e-4)
+        # Quantizing x moves each input by at most half its group's step, which the scaled codes
+        # (d * q: the int4 minimum multiplies the exact x) carry into the output.
+        exact = F.linear(x.double(), deq.double(), b.double())
+        x_step = x.view(rows, k // 32, 32).abs().amax(-1).repeat_interleave(32, dim=1) / 127
+        assert ((got.double() - exact).abs() <= 0.5 * x_step.double() @ (deq - minima).double().abs().T + 1e-3).all()
     with pytest.raises(RuntimeError, match="multiple of 32"):
         ops.quantize_panels(torch.ones(4, 48), bits)
+
+
+def _group_minima(scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The int4 minimum of every weight's group, [n, k] (zeros for int8), from the scales' [P][K/32][2][16] layout."""
+    m = scales.view(torch.float16)[:, :, 1, :].float()  # [P, G, 16]
+    return m.permute(0, 2, 1).reshape(-1, k // 32)[:n].repeat_interleave(32, dim=1)
+
+
+def _reference_product(x: torch.Tensor, deq: torch.Tensor, minima: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The kernel's scheme in torch (llama.cpp's): x rounded per group of 32 to int8 steps of max|x|/127
+    (half to even), times the weights; the int4 minimum times the exact x."""
+    rows, k = x.shape
+    groups = x.view(rows, k // 32, 32)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(step > 0, 1 / step, torch.zeros_like(step))
+    x_q = (torch.round(groups * inv) * step).view(rows, k)
+    exact_minimum = F.linear((x - x_q).double(), minima.double())
+    return (F.linear(x_q.double(), deq.double()) + exact_minimum + bias.double()).float()
 
 
 def test_quantizing_a_q4_1_gguf_keeps_its_codes(ops) -> None:
@@ -123,18 +148,21 @@ def _perplexity(engine: Engine, text: str) -> float:
 @pytest.mark.slow
 def test_smollm2_quantized_perplexity_and_answers() -> None:
     """Perplexity of a fixed English text under fp32 and under each scheme. The SmolLM2 weights are
-    themselves the shipped Q4_1 file dequantized, so int4 reproduces them (except the LM head, int8
-    here as in llama.cpp's file) and int8 re-rounds them; both must stay within 2% of fp32."""
+    themselves the shipped Q4_1 file dequantized, so int4 keeps them (the LM head is int8, as in
+    llama.cpp's file) and int8 re-rounds them; both kernels round the activations to int8 per group
+    of 32, as llama.cpp does. Both must stay within 2% of fp32. The greedy answer asks for Germany's
+    capital: France's first token is a near tie under fp32 (0.08 nats), where llama.cpp's own Q4_1
+    answers "L'Étoile, la Marseillaise," and so do our int8 and int4."""
     kwargs = {"kv_cache_tokens": 4096}
     reference = _perplexity(Engine("SmolLM2-135M-Instruct", dtype="float32", numerics="exact", **kwargs), LONG_TEXT)
-    question = [[{"role": "user", "content": "What is the capital of France?"}]]
+    question = [[{"role": "user", "content": "What is the capital of Germany?"}]]
     for scheme in ("int8", "int4"):
         engine = Engine("SmolLM2-135M-Instruct", quantization=scheme, **kwargs)
         ppl = _perplexity(engine, LONG_TEXT)
         print(f"SmolLM2 perplexity on {len(LONG_TEXT)} chars: fp32 {reference:.3f}, {scheme} {ppl:.3f} ({ppl / reference - 1:+.2%})")
         assert abs(ppl / reference - 1) < 0.02, (scheme, ppl, reference)
         answer = engine.chat(question, SamplingParams(max_tokens=12, temperature=0.0))[0].text
-        assert "Paris" in answer, (scheme, answer)
+        assert "Berlin" in answer, (scheme, answer)
 
 
 def test_parallel_quantization_equals_single_threaded(ops) -> None:

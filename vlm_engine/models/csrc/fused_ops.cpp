@@ -489,14 +489,33 @@ bool panel_linear_vectorized() { return kPanelVectorized; }
 //
 // The schemes of llama.cpp's Q8_0 and Q4_1 blocks, so that a GGUF file re-quantized here keeps its
 // codes: per (output row, group of 32 inputs) a scale d and, for int4, a minimum m (fp16, as in
-// GGUF); int8: w = d * q, q in [-127, 127]; int4: w = d * q + m, q in [0, 15]. Laid out in panels
-// of 16 output rows like the fp32 kernel: codes [P][K][16] (int8) or [P][K][8] (int4, byte j =
-// column j low nibble | column j+8 high nibble), scales [P][K/32][2][16] (d, then m).
-// The product is summed per group and scaled once: sum_k w x = d sum_k q x + m sum_k x.
+// GGUF); int8: w = d * q, q in [-127, 127]; int4: w = d * q + m, q in [0, 15].
+//
+// The product quantizes x as well, as llama.cpp does (its Q8_0 / Q8_1 activations): per row and
+// group qx = round(x / dx), dx = max|x| / 127, and per output sum_k w x = d dx sum_k q qx, plus
+// m sum_k x for int4 (the exact fp32 sum of x). The integer sums run on dot products of four
+// u8 x s8 pairs per 32-bit lane (vpdpbusd with AVX-512 VNNI or AVX-VNNI; vpmaddubsw + vpmaddwd on
+// AVX2): about 3 instructions per 32 weights and row where widening the codes to fp32 for FMAs took
+// ~10 per 16, and that decoding, not memory, had bound the batch-1 int4 step (~10 GB/s of codes on
+// the 2-core Zen 4). int8 codes are signed: the dot takes |q| and moves q's sign onto qx.
+//
+// Layout, so that one 32-bit lane holds one output column's codes for 4 consecutive inputs: panels
+// of 16 output rows, codes [P][K/4][64] (int8: bytes 4c..4c+3 of a block are column c's inputs
+// 4b..4b+3) or [P][K/8][64] (int4: byte 4c+j holds column c's input 8b+j in its low nibble and
+// input 8b+4+j in its high one), scales [P][K/32][2][16] (d, then m).
 constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockBytes = 4 * kPanel;  // one 4-input (int8) or 8-input (int4) block of a panel
+
+constexpr int64_t inputs_per_block(int64_t bits) { return bits == 8 ? 4 : 8; }
 
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
+
+// Byte offset of input kk of column c within a panel's codes, and for int4 whether it is the high nibble.
+inline int64_t code_offset(int64_t bits, int64_t c, int64_t kk) {
+  const int64_t per_block = inputs_per_block(bits), j = kk % per_block;
+  return (kk / per_block) * kBlockBytes + 4 * c + (bits == 8 ? j : j % 4);
+}
 
 std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
@@ -504,16 +523,16 @@ std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
   const at::Tensor src = w.contiguous();
   const int64_t n = src.size(0), k = src.size(1), panels = (n + kPanel - 1) / kPanel, groups = k / kGroup;
   TORCH_CHECK(k % kGroup == 0, "in_features (", k, ") must be a multiple of ", kGroup);
-  const int64_t code_cols = bits == 8 ? kPanel : kPanel / 2;
-  at::Tensor codes = at::zeros({panels, k, code_cols}, src.options().dtype(bits == 8 ? at::kChar : at::kByte));
+  const int64_t blocks = k / inputs_per_block(bits);
+  at::Tensor codes = at::zeros({panels, blocks, kBlockBytes}, src.options().dtype(bits == 8 ? at::kChar : at::kByte));
   at::Tensor scales = at::zeros({panels, groups, 2, kPanel}, src.options().dtype(at::kShort));
   const float* sp = src.data_ptr<float>();
   uint8_t* cp = static_cast<uint8_t*>(codes.data_ptr());
   uint16_t* qp = reinterpret_cast<uint16_t*>(scales.data_ptr<int16_t>());
-  // By panel, not by row: int4 rows c and c + 8 of a panel share code bytes.
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin * kPanel; row < std::min(n, end * kPanel); ++row) {
       const int64_t p = row / kPanel, c = row % kPanel;
+      uint8_t* panel = cp + p * blocks * kBlockBytes;
       for (int64_t g = 0; g < groups; ++g) {
         const float* x = sp + row * k + g * kGroup;
         uint16_t* sc = qp + ((p * groups + g) * 2) * kPanel;
@@ -523,10 +542,8 @@ std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
           const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
           sc[c] = half_bits(d);
           sc[kPanel + c] = half_bits(0.f);
-          for (int64_t i = 0; i < kGroup; ++i) {
-            const int64_t kk = g * kGroup + i;
-            reinterpret_cast<int8_t*>(cp)[(p * k + kk) * kPanel + c] = static_cast<int8_t>(std::lround(x[i] * id));
-          }
+          for (int64_t i = 0; i < kGroup; ++i)
+            panel[code_offset(8, c, g * kGroup + i)] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(x[i] * id)));
         } else {  // llama.cpp quantize_row_q4_1_ref
           float mn = x[0], mx = x[0];
           for (int64_t i = 1; i < kGroup; ++i) {
@@ -539,8 +556,8 @@ std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
           for (int64_t i = 0; i < kGroup; ++i) {
             const int64_t kk = g * kGroup + i;
             const uint8_t q = static_cast<uint8_t>(std::min(15, static_cast<int>((x[i] - mn) * id + 0.5f)));
-            uint8_t& byte = cp[(p * k + kk) * (kPanel / 2) + c % 8];
-            byte = static_cast<uint8_t>(c < 8 ? (byte & 0xF0) | q : (byte & 0x0F) | (q << 4));
+            uint8_t& byte = panel[code_offset(4, c, kk)];
+            byte = static_cast<uint8_t>(kk % 8 < 4 ? (byte & 0xF0) | q : (byte & 0x0F) | (q << 4));
           }
         }
       }
@@ -549,9 +566,22 @@ std::vector<at::Tensor> quantize_panels(const at::Tensor& w, int64_t bits) {
   return {codes, scales};
 }
 
+// The code of input kk of column c (int8 signed, int4 0..15).
+inline int code_at(const uint8_t* panel, int64_t bits, int64_t c, int64_t kk) {
+  const uint8_t byte = panel[code_offset(bits, c, kk)];
+  if (bits == 8) return static_cast<int8_t>(byte);
+  return kk % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
+}
+
+int64_t codes_inputs(const at::Tensor& codes, int64_t bits) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
+  return codes.size(1) * inputs_per_block(bits);
+}
+
 // The weights the codes stand for, [N, K] fp32 (tests, and the reference the kernel must equal).
 at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits) {
-  const int64_t panels = codes.size(0), k = codes.size(1), groups = k / kGroup;
+  const int64_t panels = codes.size(0), k = codes_inputs(codes, bits), groups = k / kGroup;
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   at::Tensor out = at::empty({n, k}, codes.options().dtype(at::kFloat));
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -559,87 +589,147 @@ at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& scales, 
   float* op = out.data_ptr<float>();
   for (int64_t row = 0; row < n; ++row) {
     const int64_t p = row / kPanel, c = row % kPanel;
+    const uint8_t* panel = cp + p * codes.size(1) * kBlockBytes;
     for (int64_t kk = 0; kk < k; ++kk) {
       const uint16_t* sc = qp + ((p * groups + kk / kGroup) * 2) * kPanel;
-      float q;
-      if (bits == 8) {
-        q = reinterpret_cast<const int8_t*>(cp)[(p * k + kk) * kPanel + c];
-      } else {
-        const uint8_t byte = cp[(p * k + kk) * (kPanel / 2) + c % 8];
-        q = c < 8 ? (byte & 0x0F) : (byte >> 4);
-      }
-      op[row * k + kk] = half_value(sc[c]) * q + half_value(sc[kPanel + c]);
+      op[row * k + kk] = half_value(sc[c]) * code_at(panel, bits, c, kk) + half_value(sc[kPanel + c]);
     }
   }
   return out;
 }
 
+// x quantized per row and group of 32 (see above): codes qx [m][k], scale dx and exact sum of x [m][k/32].
+struct QuantizedRows {
+  std::vector<int8_t> qx;
+  std::vector<float> dx, sum;
+};
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kQuantVectorized = true;
 
-template <int Bits>
-inline void decode16(const uint8_t* codes, __m256& lo, __m256& hi) {
-  if constexpr (Bits == 8) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
-  } else {
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
-    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
-  }
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-// gs: per row (stride gss) and group the sum of x over the group's 32 inputs, for the minimum term
-// (computed once per call, not per panel). With one or two rows the group's dot product runs as 4
-// or 2 interleaved partial FMA chains, added at the end (all SmolLM2 int4 linears on the 2-core
-// Zen 4: M=2 9.0 -> 8.3 ms, M=4 16.9 -> 14.0 ms; M=1 unchanged at 7.0 ms, ~10 GB/s of codes: it is
-// bound by decoding codes to fp32, about 10 instructions per 16 weights, not by the chains).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// One group of 32 inputs: q = round-to-nearest-even(x / d) (cvtps under the default rounding mode).
+inline void quantize_group(const float* x, int8_t* q, float* d_out, float* sum_out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+    sum = _mm256_add_ps(sum, v[i]);
+  }
+  const float d = hmax(amax) / 127.f, id = d ? 1.f / d : 0.f;
+  const __m256 scale = _mm256_set1_ps(id);
+  __m256i iv[4];
+  for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], scale));
+  // The packs work per 128-bit lane: the dwords come out in the order 0 4 1 5 2 6 3 7.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  *d_out = d;
+  *sum_out = hsum(sum);
+}
+
+// acc + per 32-bit lane the sum of its four u8 (u) x s8 (s) products.
+inline __m256i dot4(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  // vpmaddubsw's int16 pair sums saturate past 32767; |u| <= 127 here (|int8 code|, or int4), so they cannot.
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __m256i broadcast4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// MR rows of x against one panel. The integer sums of a group run in C chains per half-panel
+// (one row has two, low / high nibble or even / odd block, so that the dot products' latency
+// overlaps), scaled into fp32 accumulators once per group.
 template <int Bits, int MR>
-inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_t gss, const uint8_t* codes,
-                             const uint16_t* scales, int64_t k, const float* bias, float* y, int64_t ys, int64_t ncols) {
-  constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
-  constexpr int S = split_chains(MR);  // divides kGroup
+inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* codes,
+                             const uint16_t* scales, const float* bias, float* y, int64_t ys, int64_t ncols) {
+  constexpr int C = MR == 1 ? 2 : 1;
+  const int64_t groups = k / kGroup;
+  const int8_t* qx = xq.qx.data() + row0 * k;
+  const float* dx = xq.dx.data() + row0 * groups;
+  const float* xsum = xq.sum.data() + row0 * groups;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 acc_lo[MR], acc_hi[MR];
   for (int r = 0; r < MR; ++r) acc_lo[r] = acc_hi[r] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
-    __m256 g_lo[S][MR], g_hi[S][MR];
-    for (int c = 0; c < S; ++c)
-      for (int r = 0; r < MR; ++r) g_lo[c][r] = g_hi[c][r] = _mm256_setzero_ps();
-    for (int64_t i = g0; i < g0 + kGroup; i += S) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t g0 = g * kGroup;
+    __m256i s_lo[C][MR], s_hi[C][MR];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < MR; ++r) s_lo[c][r] = s_hi[c][r] = _mm256_setzero_si256();
+    if constexpr (Bits == 4) {
 #pragma GCC unroll 4
-      for (int c = 0; c < S; ++c) {
-        __m256 q_lo, q_hi;
-        decode16<Bits>(codes + (i + c) * kCodeCols, q_lo, q_hi);
+      for (int b = 0; b < 4; ++b) {
+        const uint8_t* cb = codes + (g0 / 8 + b) * kBlockBytes;
+        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb));
+        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb + 32));
+        const __m256i a0 = _mm256_and_si256(v0, nibble), b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+        const __m256i a1 = _mm256_and_si256(v1, nibble), b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
 #pragma GCC unroll 4
         for (int r = 0; r < MR; ++r) {
-          const __m256 xb = _mm256_set1_ps(x[r * xs + i + c]);
-          g_lo[c][r] = _mm256_fmadd_ps(xb, q_lo, g_lo[c][r]);
-          g_hi[c][r] = _mm256_fmadd_ps(xb, q_hi, g_hi[c][r]);
+          const __m256i xa = broadcast4(qx + r * k + g0 + 8 * b), xb = broadcast4(qx + r * k + g0 + 8 * b + 4);
+          s_lo[0][r] = dot4(s_lo[0][r], a0, xa);
+          s_lo[C - 1][r] = dot4(s_lo[C - 1][r], b0, xb);
+          s_hi[0][r] = dot4(s_hi[0][r], a1, xa);
+          s_hi[C - 1][r] = dot4(s_hi[C - 1][r], b1, xb);
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        const uint8_t* cb = codes + (g0 / 4 + b) * kBlockBytes;
+        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb));
+        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(cb + 32));
+        const __m256i u0 = _mm256_abs_epi8(v0), u1 = _mm256_abs_epi8(v1);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m256i xr = broadcast4(qx + r * k + g0 + 4 * b);
+          s_lo[b % C][r] = dot4(s_lo[b % C][r], u0, _mm256_sign_epi8(xr, v0));
+          s_hi[b % C][r] = dot4(s_hi[b % C][r], u1, _mm256_sign_epi8(xr, v1));
         }
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      for (int c = 1; c < S; ++c) {
-        g_lo[0][r] = _mm256_add_ps(g_lo[0][r], g_lo[c][r]);
-        g_hi[0][r] = _mm256_add_ps(g_hi[0][r], g_hi[c][r]);
+    if constexpr (C == 2) {
+      for (int r = 0; r < MR; ++r) {
+        s_lo[0][r] = _mm256_add_epi32(s_lo[0][r], s_lo[1][r]);
+        s_hi[0][r] = _mm256_add_epi32(s_hi[0][r], s_hi[1][r]);
       }
     }
-    const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
+    const uint16_t* sc = scales + g * 2 * kPanel;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
     for (int r = 0; r < MR; ++r) {
-      acc_lo[r] = _mm256_fmadd_ps(d_lo, g_lo[0][r], acc_lo[r]);
-      acc_hi[r] = _mm256_fmadd_ps(d_hi, g_hi[0][r], acc_hi[r]);
+      const __m256 dxr = _mm256_set1_ps(dx[r * groups + g]);
+      acc_lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_lo, dxr), _mm256_cvtepi32_ps(s_lo[0][r]), acc_lo[r]);
+      acc_hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dxr), _mm256_cvtepi32_ps(s_hi[0][r]), acc_hi[r]);
     }
     if constexpr (Bits == 4) {
       const __m256 m_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel)));
       const __m256 m_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kPanel + 8)));
       for (int r = 0; r < MR; ++r) {
-        const __m256 xb = _mm256_set1_ps(gs[r * gss + g0 / kGroup]);
-        acc_lo[r] = _mm256_fmadd_ps(m_lo, xb, acc_lo[r]);
-        acc_hi[r] = _mm256_fmadd_ps(m_hi, xb, acc_hi[r]);
+        const __m256 sr = _mm256_set1_ps(xsum[r * groups + g]);
+        acc_lo[r] = _mm256_fmadd_ps(m_lo, sr, acc_lo[r]);
+        acc_hi[r] = _mm256_fmadd_ps(m_hi, sr, acc_hi[r]);
       }
     }
   }
@@ -653,23 +743,32 @@ inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_
 #else
 constexpr bool kQuantVectorized = false;
 
+inline void quantize_group(const float* x, int8_t* q, float* d_out, float* sum_out) {
+  float amax = 0.f, sum = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    amax = std::max(amax, std::fabs(x[i]));
+    sum += x[i];
+  }
+  const float d = amax / 127.f, id = d ? 1.f / d : 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * id));
+  *d_out = d;
+  *sum_out = sum;
+}
+
 template <int Bits, int MR>
-inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_t gss, const uint8_t* codes,
-                             const uint16_t* scales, int64_t k, const float* bias, float* y, int64_t ys, int64_t ncols) {
-  constexpr int64_t kCodeCols = Bits == 8 ? kPanel : kPanel / 2;
+inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* codes,
+                             const uint16_t* scales, const float* bias, float* y, int64_t ys, int64_t ncols) {
+  const int64_t groups = k / kGroup;
   for (int r = 0; r < MR; ++r) {
+    const int8_t* qx = xq.qx.data() + (row0 + r) * k;
     for (int64_t c = 0; c < ncols; ++c) {
       float acc = 0.f;
-      for (int64_t g0 = 0; g0 < k; g0 += kGroup) {
-        float dot = 0.f;
-        for (int64_t i = g0; i < g0 + kGroup; ++i) {
-          const uint8_t* b = codes + i * kCodeCols;
-          const float q = Bits == 8 ? static_cast<float>(reinterpret_cast<const int8_t*>(b)[c])
-                                    : static_cast<float>(c < 8 ? (b[c] & 0x0F) : (b[c - 8] >> 4));
-          dot += q * x[r * xs + i];
-        }
-        const uint16_t* sc = scales + (g0 / kGroup) * 2 * kPanel;
-        acc += half_value(sc[c]) * dot + half_value(sc[kPanel + c]) * gs[r * gss + g0 / kGroup];
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t dot = 0;
+        for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) dot += code_at(codes, Bits, c, i) * qx[i];
+        const uint16_t* sc = scales + g * 2 * kPanel;
+        const int64_t at = (row0 + r) * groups + g;
+        acc += half_value(sc[c]) * xq.dx[at] * static_cast<float>(dot) + half_value(sc[kPanel + c]) * xq.sum[at];
       }
       y[r * ys + c] = acc + (bias ? bias[c] : 0.f);
     }
@@ -677,14 +776,24 @@ inline void quant_panel_rows(const float* x, int64_t xs, const float* gs, int64_
 }
 #endif
 
+QuantizedRows quantize_rows(const float* x, int64_t xs, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows out{std::vector<int8_t>(static_cast<size_t>(m * k)), std::vector<float>(static_cast<size_t>(m * groups)),
+                    std::vector<float>(static_cast<size_t>(m * groups))};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g)
+        quantize_group(x + r * xs + g * kGroup, out.qx.data() + r * k + g * kGroup, &out.dx[r * groups + g],
+                       &out.sum[r * groups + g]);
+  });
+  return out;
+}
+
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                               int64_t bits, const std::optional<at::Tensor>& bias) {
   check_rows(x, "x", at::kFloat);
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == (bits == 8 ? kPanel : kPanel / 2),
-              "codes must come from quantize_panels");
-  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0);
-  TORCH_CHECK(codes.size(1) == k, "x has ", k, " features, the weight ", codes.size(1));
+  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), blocks = codes_inputs(codes, bits) / inputs_per_block(bits);
+  TORCH_CHECK(codes_inputs(codes, bits) == k, "x has ", k, " features, the weight ", codes_inputs(codes, bits));
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * (k / kGroup) * 2 * kPanel, "scales do not match the codes");
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   const float* bp = nullptr;
@@ -693,32 +802,22 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
     bp = bias->data_ptr<float>();
   }
   at::Tensor y = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const QuantizedRows xq = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
-  const int64_t xs = x.stride(0), code_bytes = k * codes.size(2), scale_count = (k / kGroup) * 2 * kPanel;
-  const int64_t groups = k / kGroup;
-  std::vector<float> gsum(static_cast<size_t>(m * groups), 0.f);  // x summed per group (int4's minimum term)
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) t += xp[r * xs + g * kGroup + i];
-      gsum[r * groups + g] = t;
-    }
-  const float* gs = gsum.data();
+  const int64_t scale_count = (k / kGroup) * 2 * kPanel;
   auto run = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
-        const uint8_t* c = cp + p * code_bytes;
+        const uint8_t* c = cp + p * blocks * kBlockBytes;
         const uint16_t* sc = qp + p * scale_count;
         const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
         const float* b = bp ? bp + c0 : nullptr;
         int64_t r = 0;
-        for (; r + 2 <= m; r += 2)
-          quant_panel_rows<B, 2>(xp + r * xs, xs, gs + r * groups, groups, c, sc, k, b, yp + r * n + c0, n, ncols);
-        if (r < m) quant_panel_rows<B, 1>(xp + r * xs, xs, gs + r * groups, groups, c, sc, k, b, yp + r * n + c0, n, ncols);
+        for (; r + 2 <= m; r += 2) quant_panel_rows<B, 2>(xq, r, k, c, sc, b, yp + r * n + c0, n, ncols);
+        if (r < m) quant_panel_rows<B, 1>(xq, r, k, c, sc, b, yp + r * n + c0, n, ncols);
       }
     });
   };
