@@ -112,6 +112,19 @@ AVX2_GGML_FLAGS = [
 ]
 
 
+# On a CPU with AMX (Sapphire Rapids) GGML_NATIVE compiles ggml's AMX kernels, and in this VM
+# llama-server died with SIGSEGV in them (tinygemm_kernel_amx<block_q8_1, block_q4_1>, at the
+# Q4_1 model's warm-up): the native build without AMX is what a user there can run.
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def native_ggml_flags() -> list[str]:
+    flags = ["-DGGML_NATIVE=ON"]
+    if "amx_tile" in cpu_flags():
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}"]
+    return flags
+
+
 def find_llama_server(explicit: str | None) -> Path | None:
     for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
         if candidate and Path(candidate).is_file():
@@ -137,7 +150,7 @@ def build_llama_server() -> Path:
         "-DLLAMA_BUILD_UI=OFF",
         "-DLLAMA_OPENSSL=OFF",
     ]
-    flags += AVX2_GGML_FLAGS if forced_isa() == "avx2" else ["-DGGML_NATIVE=ON"]
+    flags += AVX2_GGML_FLAGS if forced_isa() == "avx2" else native_ggml_flags()
     out = build_dir()
     subprocess.run(["cmake", "-B", out, "-G", "Ninja", *flags], cwd=tree, check=True)
     jobs = str(os.cpu_count() or 2)
