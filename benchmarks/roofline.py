@@ -208,8 +208,14 @@ class ModelCost:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    def bytes_per_step(self, batch: int, context: float, dtype_bytes: int) -> float:
-        return self.decode_params * dtype_bytes + batch * context * self.kv_bytes_per_token(dtype_bytes)
+    def bytes_per_step(
+        self, batch: int, context: float, dtype_bytes: int, weight_bytes: tuple[float, float] | None = None
+    ) -> float:
+        """Weights once plus every sequence's KV; `weight_bytes` (decoder, LM head) per weight where
+        the weights are quantized, else `dtype_bytes` as the KV."""
+        decoder, head = weight_bytes or (dtype_bytes, dtype_bytes)
+        weights = self.decoder_params * decoder + self.lm_head_params * head
+        return weights + batch * context * self.kv_bytes_per_token(dtype_bytes)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelCost:
@@ -292,12 +298,19 @@ class Roofline:
         return ""
 
 
+# Bytes per weight (decoder, LM head) of the weight-only schemes: llama.cpp's Q4_1 files and our
+# int4 keep the LM head in Q8_0 (34 bytes per 32 weights; Q4_1 20). Activations and KV count as
+# fp32, and the FLOP share is against the fp32 matmul ceiling (no integer one is measured).
+QUANTIZED_WEIGHT_BYTES = {"int4": (20 / 32, 34 / 32), "int8": (34 / 32, 34 / 32)}
+
+
 def roofline(
     cost: ModelCost, machine: MachineCeilings, batch: float, context: float, step_s: float, dtype: str, basis: str
 ) -> Roofline:
-    dtype_bytes = 4 if dtype in ("float32", "fp32") else 2
+    quantized = QUANTIZED_WEIGHT_BYTES.get(dtype)
+    dtype_bytes = 4 if dtype in ("float32", "fp32") or quantized else 2
     flops = batch * cost.flops_per_token(context) / step_s
-    bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes) / step_s
+    bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes, quantized) / step_s
     return Roofline(
         batch,
         context,

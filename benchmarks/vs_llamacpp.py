@@ -215,7 +215,7 @@ def run_server(
                     flavor=spec.flavor,
                     text_only=not plan.vision,
                     server_label=spec.name,
-                    dtype=None,
+                    dtype=roofline_dtype(spec, hf_dir),
                     overrides=dict(plan.overrides),
                     first_index=sent,
                 )
@@ -227,6 +227,20 @@ def run_server(
         print(f"{spec.name} ({plan.label}) failed: {type(exc).__name__}: {exc}", flush=True)
         points.append({"server": spec.name, "plan": plan.label, "error": f"{type(exc).__name__}: {exc}"[:500]})
     return points
+
+
+def roofline_dtype(spec: servers.ServerSpec, hf_dir: Path) -> str:
+    """What a server's weights stream as, for its per-point roofline: the Q4_1 file (llama.cpp's, or
+    ours as int4) as int4, llama.cpp's converted GGUF as float32, ours what dtype auto picks here."""
+    if spec.model_dir.endswith(".gguf"):
+        return "int4" if "Q4_1" in Path(spec.model_dir).name else "float32"
+    import torch
+    from transformers import AutoConfig
+
+    from vlm_engine.models.registry import resolve_dtype
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    return str(resolve_dtype(spec.dtype, config, torch.device("cpu"), is_gguf=False)).removeprefix("torch.")
 
 
 def decode_ceiling_line(hf_dir: Path, machine: R.MachineCeilings) -> str:

@@ -329,6 +329,8 @@ def test_model_cost_counts_decoder_head_and_attention(tmp_path: Path) -> None:
     assert cost.flops_per_token(10) == 2 * (192 + 800) + 4 * 1 * 2 * 4 * 10
     assert cost.kv_bytes_per_token(2) == 2 * 1 * 1 * 4 * 2
     assert cost.bytes_per_step(batch=3, context=10, dtype_bytes=2) == (192 + 800) * 2 + 3 * 10 * 16
+    # int4 decoder, int8 LM head, fp32 KV
+    assert cost.bytes_per_step(3, 10, 4, (0.625, 1.0625)) == 192 * 0.625 + 800 * 1.0625 + 3 * 10 * 32
 
 
 def test_roofline_fractions_and_line(tmp_path: Path) -> None:
@@ -349,6 +351,9 @@ def test_roofline_fractions_and_line(tmp_path: Path) -> None:
     assert r.bandwidth_fraction == pytest.approx(2e8 / 0.1 / 30e9)  # bf16 weights, best of read/copy
     assert "64% of matmul FLOP/s" in r.line()
     assert R.roofline(cost, machine, 1, 0, 0.1, "float32", "x").flops_fraction == pytest.approx(2e8 / 0.1 / 100e9)
+    int4 = R.roofline(cost, machine, 1, 0, 0.1, "int4", "x")  # Q4_1: 20 bytes per 32 weights
+    assert int4.bandwidth_fraction == pytest.approx(1e8 * 20 / 32 / 0.1 / 30e9)
+    assert int4.flops_fraction == pytest.approx(2e8 / 0.1 / 100e9)  # against the fp32 ceiling
     assert "n/a" in R.roofline_line(None, 1, 1, 0.1, "float32", "x", machine)
     assert "n/a" in R.roofline_line(tmp_path, 1, 1, 0.1, "float32", "x", machine)  # no checkpoint there
 
