@@ -1,12 +1,14 @@
 """Weight-only int8 / int4 linears for the CPU decoder (`EngineConfig.quantization`).
 
 Decode at low concurrency streams every weight once per token, so bytes per weight decide its
-speed: on Zen 3 all SmolLM2 linears of a batch-1 step took 22 ms in fp32 (the panel kernel, at
-the machine's memory bandwidth) and 7.4 ms in int8 or int4. The schemes are llama.cpp's Q8_0 and
-Q4_1 (groups of 32 inputs, fp16 scale and, for int4, fp16 minimum): quantizing weights that came
-from a Q4_1 GGUF file gives back the file's codes, so a llama.cpp quantized model is served with
-the numbers llama.cpp uses. Activations stay fp32; the kernels are the fused-ops extension's
-`quantize_panels` / `quant_panel_linear` (csrc/fused_ops.cpp).
+speed: on the 2-core Sapphire Rapids all SmolLM2 linears of a batch-1 step take ~29 ms in fp32,
+~17 ms on bf16 panels, ~7 ms int8 and ~4.5 ms int4 (benchmarks/quant_linears.py). The schemes are
+llama.cpp's Q8_0 and Q4_1 (groups of 32 inputs, fp16 scale and, for int4, fp16 minimum):
+quantizing weights that came from a Q4_1 GGUF file gives back the file's codes, so a llama.cpp
+quantized model is served with the numbers llama.cpp uses. The layers take and return fp32; inside,
+the kernels (the fused-ops extension's `quantize_panels` / `quant_panel_linear`, csrc/fused_ops.cpp)
+round each row of x to int8 per group of 32, as llama.cpp's Q8_0 / Q8_1 activations, and run
+integer dot products.
 
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
 as llama.cpp's Q4 files keep the output projection in Q8_0). The vision tower stays in its dtype:
