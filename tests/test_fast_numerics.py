@@ -41,12 +41,17 @@ def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     own model, KV pool and attention backend: [T, vocab]."""
     runner, model = engine.runner, engine.model
     n, ps = len(token_ids), engine.config.page_size
-    pages = torch.arange((n + ps - 1) // ps, dtype=torch.int32)
+    # Pages from the pool, not fixed ones: writing KV into pages the prefix cache holds would
+    # corrupt the engine's later requests (an earlier test's prompts were cached there).
+    allocated = engine.pool.allocate((n + ps - 1) // ps)
+    assert allocated is not None, "no free KV pages for the prefill"
+    pages = torch.tensor(allocated, dtype=torch.int32)
+    slots = (pages[:, None].long() * ps + torch.arange(ps)).flatten()[:n]
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         seq_lens=torch.tensor([n], dtype=torch.int32),
         block_table=pages[None, :],
-        slot_mapping=torch.arange(n, dtype=torch.long),
+        slot_mapping=slots,
         query_lens_host=[n],
         seq_lens_host=[n],
     )
@@ -54,9 +59,12 @@ def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     if runner.uses_mrope:  # text only: the three rotary axes share the position
         positions = positions.expand(3, n)
     ctx = ForwardContext(meta, runner.kv_caches, runner.attn_backend, runner.fused_ops)
-    with torch.inference_mode():
-        hidden = model(model.embed(torch.tensor(token_ids)), positions, ctx)
-        return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+    try:
+        with torch.inference_mode():
+            hidden = model(model.embed(torch.tensor(token_ids)), positions, ctx)
+            return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
+    finally:
+        engine.pool.free(allocated)
 
 
 def assert_fast_path(engine: Engine) -> None:
@@ -164,3 +172,4 @@ def test_smollm2_greedy_agreement_with_exact(smollm2_pair: tuple[Engine, Engine]
     ]
     print(f"SmolLM2 fast vs exact greedy, tokens agreeing before the first divergence: {agreed} of 32 each")
     assert sum(agreed) >= 0.9 * 32 * len(SMOLLM2_PROMPTS), agreed
+
