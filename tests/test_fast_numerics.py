@@ -173,3 +173,36 @@ def test_smollm2_greedy_agreement_with_exact(smollm2_pair: tuple[Engine, Engine]
     print(f"SmolLM2 fast vs exact greedy, tokens agreeing before the first divergence: {agreed} of 32 each")
     assert sum(agreed) >= 0.9 * 32 * len(SMOLLM2_PROMPTS), agreed
 
+
+# The auto dtype on a CPU without bf16 dot products: fp32 activations on weights rounded to bf16
+# (2^-9 relative each). SmolLM2 on the Sapphire Rapids with VLM_ENGINE_CPU_BF16=0 measured
+# max |d logprob| 0.052 over FIXED_TEXT's positions x top-20, and greedy agreement 32/32 on each
+# of the 4 prompts.
+BF16_WEIGHTS_LOGPROB_ATOL = 0.15
+
+
+@pytest.mark.slow
+def test_smollm2_auto_without_bf16_dot_products_keeps_fp32_on_bf16_weights(
+    monkeypatch: pytest.MonkeyPatch, smollm2_pair: tuple[Engine, Engine]
+) -> None:
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")  # as on Zen 3 (AVX2)
+    fast = Engine("SmolLM2-135M-Instruct", kv_cache_tokens=4096)
+    if not fast.bf16_weights:
+        pytest.skip("the panel kernel is not vectorised on this CPU")
+    assert fast.dtype == torch.float32
+    packed = [m for m in fast.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.bf16_weights and m._panels.dtype == torch.bfloat16 for m in packed)
+    _, exact = smollm2_pair
+    ids = fast.tokenizer(FIXED_TEXT)["input_ids"]
+    got, want = prefill_logprobs(fast, ids), prefill_logprobs(exact, ids)
+    top = want.topk(20, dim=-1).indices
+    diff = (got.gather(1, top) - want.gather(1, top)).abs().max().item()
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    agreed = [
+        greedy_agreement(f.token_ids, e.token_ids)
+        for f, e in zip(fast.chat(SMOLLM2_PROMPTS, params), exact.chat(SMOLLM2_PROMPTS, params))
+    ]
+    print(f"SmolLM2 auto (fp32 on bf16 weights) vs exact: max |d logprob| {diff:.3f}, greedy agreement {agreed} of 32")
+    assert diff < BF16_WEIGHTS_LOGPROB_ATOL
+    assert sum(agreed) >= 0.75 * 32 * len(SMOLLM2_PROMPTS), agreed
+    assert Engine("SmolLM2-135M-Instruct", dtype="float32", kv_cache_tokens=4096).bf16_weights is False

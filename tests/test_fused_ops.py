@@ -201,6 +201,7 @@ def test_forcing_the_avx2_tier_hides_the_wider_isa(monkeypatch: pytest.MonkeyPat
     cpu_isa.cpu_flags.cache_clear()
     try:
         monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
+        monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)  # the override would answer for the flags
         assert cpu_isa.isa_tier() == "avx512_bf16" and cpu_isa.march_flag() == "-march=native"
         cpu_isa.cpu_flags.cache_clear()
         monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
@@ -258,6 +259,18 @@ def test_auto_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "1")
     assert resolve_dtype("auto", Config(), cpu, is_gguf=False) == BF16  # ...and stays bf16 where it has it
     assert resolve_dtype("auto", Config(), torch.device("meta"), is_gguf=False) == BF16  # other devices: as saved
+
+
+def test_auto_stores_bf16_weights_only_where_it_picked_fp32_for_lack_of_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vlm_engine.models.registry import cpu_bf16_weights
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")
+    assert cpu_bf16_weights("auto", torch.float32, cpu)
+    assert not cpu_bf16_weights("float32", torch.float32, cpu)  # asked for fp32: fp32 weights
+    assert not cpu_bf16_weights("auto", torch.float32, torch.device("meta"))
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "1")
+    assert not cpu_bf16_weights("auto", torch.float32, cpu)  # auto picked fp32 for another reason
 
 
 def test_engine_fast_path_agrees_with_plain_bf16(tiny_vlm_dir, ops) -> None:
@@ -321,7 +334,30 @@ def test_bf16_panel_linear_is_the_fp32_product_rounded_once(ops, n: int, k: int)
             # Within one bf16 rounding of the fp32 result (which itself differs only by summation order).
             torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5 * k**0.5)
     with pytest.raises(RuntimeError, match="dtype"):
-        ops.panel_linear(torch.ones(1, k), panels, n)  # fp32 x on bf16 panels
+        ops.panel_linear(torch.ones(1, k).to(BF16), ops.pack_panels(w.float()), n)  # bf16 x on fp32 panels
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 100)])
+def test_fp32_x_on_bf16_panels_is_the_fp32_product_of_the_bf16_weights(ops, n: int, k: int) -> None:
+    """The bf16-weights mode: fp32 x, bf16 panels, fp32 out, nothing rounded but the weights."""
+    g = torch.Generator().manual_seed(n)
+    w, b = torch.randn(n, k, generator=g).to(BF16), torch.randn(n, generator=g)
+    panels = ops.pack_panels(w)
+    for rows in (1, 2, 3, 7):
+        x = torch.randn(rows, k, generator=g)
+        got = ops.panel_linear(x, panels, n, b)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_fp32_packed_linear_with_bf16_weights(ops) -> None:
+    linear = nn.Linear(96, 40).requires_grad_(False)
+    packed = PackedLinear(linear, ops, bf16_weights=True)
+    assert packed.bf16_weights and packed._panels.dtype == BF16 and "bf16 weight panels" in repr(packed)
+    x = randn(9, 96, seed=6).float()
+    want = F.linear(x, linear.weight.to(BF16).float(), linear.bias)
+    torch.testing.assert_close(packed(x), want, rtol=1e-5, atol=1e-4)
+    assert not PackedLinear(linear, None, bf16_weights=True).bf16_weights  # only on the panel kernel
 
 
 def test_bf16_packed_linear_takes_panels_for_few_rows_and_onednn_above(ops) -> None:

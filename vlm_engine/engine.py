@@ -23,7 +23,14 @@ from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.models.cpu_isa import tier_description
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
-from vlm_engine.models.registry import build_model, default_device, load_config, resolve_dtype, resolve_model
+from vlm_engine.models.registry import (
+    build_model,
+    cpu_bf16_weights,
+    default_device,
+    load_config,
+    resolve_dtype,
+    resolve_model,
+)
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
 from vlm_engine.sampling_params import SamplingParams
@@ -123,9 +130,10 @@ class Engine:
         fused = load_fused_ops() if use_fused else None
         panel_ops = fused if fused is not None and fused.panel_linear_vectorized() else None
         quant_ops = (fused or load_fused_ops()) if cfg.quantization else None
+        self.bf16_weights = panel_ops is not None and cpu_bf16_weights(dtype_choice, self.dtype, self.device)
         self.model = build_model(
             self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights, panel_ops,
-            cfg.quantization, quant_ops,
+            cfg.quantization, quant_ops, self.bf16_weights,
         )
         limits = {"limits": cfg.media_limits} if cfg.media_limits is not None else {}
         self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file, **limits)
@@ -165,7 +173,8 @@ class Engine:
         logger.info(
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
             "%d KV pages x %d tokens, max_model_len %d, speculative %s",
-            self.source.name, self.dtype, cfg.numerics, cfg.quantization or "unquantized", backend.name,
+            self.source.name, self.dtype, cfg.numerics,
+            cfg.quantization or ("bf16 (fp32 activations)" if self.bf16_weights else "unquantized"), backend.name,
             fused is not None, tier_description(), num_pages, cfg.page_size, self.max_model_len,
             f"{cfg.speculative} k={cfg.num_speculative_tokens}" if cfg.speculative else "off",
         )
@@ -184,7 +193,7 @@ class Engine:
         quantization = self.config.speculative_draft_quantization
         return build_model(
             source, config, self.dtype, self.device, fast and self.config.prepack_weights, panel_ops,
-            quantization, load_fused_ops() if quantization else None,
+            quantization, load_fused_ops() if quantization else None, self.bf16_weights,
         )  # fmt: skip
 
     def _build_speculator(self, draft_model: Any, num_pages: int, backend: Any, fused: Any) -> Speculator | None:

@@ -17,6 +17,12 @@ of a step: F.linear 51 / 118 / 243 ms at M = 1 / 16 / 64, oneDNN packed 31 / 47-
 panels 21 / 36 / 103. Both sum in another order than Transformers' F.linear (the bf16 panels also
 in another order than oneDNN's), so linears are packed only in fast numerics; "exact" keeps
 Transformers' ops.
+
+fp32 with bf16 weights (`bf16_weights`, what `dtype="auto"` runs on a CPU without bf16 dot
+products): the fp32 model's linears keep fp32 activations and sums but store their weights as
+bf16 panels, rounded once at load: half the bytes to stream. All SmolLM2 linears of a step on the
+Sapphire Rapids forced to AVX2, fp32 vs bf16 panels: M=1 24.3 vs 14.8 ms, M=16 47.4 vs 37.2, M=64
+110.4 vs 100.8 (benchmarks/quant_linears.py).
 """
 
 from __future__ import annotations
@@ -60,7 +66,7 @@ class PackedLinear(nn.Module):
     `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`; bf16
     with `panel_ops` keeps both, panels for up to BF16_PANEL_MAX_ROWS rows."""
 
-    def __init__(self, linear: nn.Linear, panel_ops: ModuleType | None = None) -> None:
+    def __init__(self, linear: nn.Linear, panel_ops: ModuleType | None = None, bf16_weights: bool = False) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -68,7 +74,10 @@ class PackedLinear(nn.Module):
         self.dtype = weight.dtype
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self._panel_ops = panel_ops
-        self._panels = None if panel_ops is None else panel_ops.pack_panels(weight)
+        # fp32 activations on bf16 panels: only for an fp32 layer, and only on the panel kernel.
+        self.bf16_weights = bf16_weights and panel_ops is not None and self.dtype == torch.float32
+        stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
+        self._panels = None if panel_ops is None else panel_ops.pack_panels(stored)
         # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
         self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
         if self._panels is not None and self._panel_max_rows is None:
@@ -97,18 +106,19 @@ class PackedLinear(nn.Module):
         if self._panels is None:
             layout = "oneDNN"
         elif self._panel_max_rows is None:
-            layout = "panels"
+            layout = "bf16 weight panels" if self.bf16_weights else "panels"
         else:
             layout = f"panels up to {self._panel_max_rows} rows, oneDNN above"
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
 
 
-def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None) -> int:
+def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None, bf16_weights: bool = False) -> int:
     """Replace every bf16/fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced.
 
     Subclasses of nn.Linear (MergedLinear keeps its shard map for the loader) are packed too:
     weights are loaded before this runs, so only the matmul is needed afterwards. With `panel_ops`
-    (the fused-ops extension, vectorised build) fp32 linears take the panel kernel.
+    (the fused-ops extension, vectorised build) fp32 linears take the panel kernel, on bf16 panels
+    with `bf16_weights`.
     """
     linears = [
         (parent, name, child)
@@ -119,10 +129,11 @@ def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None) -> in
     dtypes: set[torch.dtype] = set()
     for parent, name, child in linears:
         dtypes.add(child.weight.dtype)
-        setattr(parent, name, PackedLinear(child, panel_ops))
+        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights))
     for dtype in dtypes:
-        _check_close_to_plain_linear(dtype, panel_ops)
-    kernel_names = {torch.float32: "panels", torch.bfloat16: f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above"}
+        _check_close_to_plain_linear(dtype, panel_ops, bf16_weights)
+    fp32_panels = "bf16 weight panels" if bf16_weights else "panels"
+    kernel_names = {torch.float32: fp32_panels, torch.bfloat16: f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above"}
     kernels = ", ".join(
         f"{str(d).removeprefix('torch.')}: {kernel_names[d] if panel_ops is not None else 'oneDNN'}"
         for d in sorted(dtypes, key=str)
@@ -131,8 +142,9 @@ def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None) -> in
     return len(linears)
 
 
-def _check_close_to_plain_linear(dtype: torch.dtype, panel_ops: ModuleType | None) -> None:
-    """Fail loudly at start-up if this build's packed op disagrees with F.linear."""
+def _check_close_to_plain_linear(dtype: torch.dtype, panel_ops: ModuleType | None, bf16_weights: bool = False) -> None:
+    """Fail loudly at start-up if this build's packed op disagrees with F.linear (on the weights
+    rounded to bf16, where the panels hold those)."""
     gen = torch.Generator().manual_seed(0)
     linear = nn.Linear(96, 48, bias=True).requires_grad_(False)
     with torch.no_grad():
@@ -140,8 +152,12 @@ def _check_close_to_plain_linear(dtype: torch.dtype, panel_ops: ModuleType | Non
         linear.bias.copy_(torch.randn(48, generator=gen))
     linear = linear.to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    packed = PackedLinear(linear, panel_ops, bf16_weights)
+    if packed.bf16_weights:
+        with torch.no_grad():
+            linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
     for rows in (1, 5, 70):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
-        got, want = PackedLinear(linear, panel_ops)(x).float(), linear(x).float()
+        got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
             raise RuntimeError(f"oneDNN packed {dtype} linear disagrees with F.linear on this machine")

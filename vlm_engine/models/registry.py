@@ -132,6 +132,15 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
     return declared
 
 
+def cpu_bf16_weights(dtype_choice: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `dtype="auto"`, having picked float32 on a CPU without bf16 dot products, stores the
+    linears' weights as bf16 (fp32 activations and sums on the fused-ops panel kernel, fast
+    numerics only): decode streams half the bytes. SmolLM2 decode steps on the Sapphire Rapids
+    forced to AVX2, fp32 vs bf16-weight linears: see models/prepack.py. `dtype="float32"` keeps fp32
+    weights."""
+    return dtype_choice == "auto" and device.type == "cpu" and dtype == torch.float32 and not cpu_has_native_bf16()
+
+
 def cpu_has_native_bf16() -> bool:
     """avx512_bf16 or AMX: the CPU has bf16 dot-product instructions (not just conversion)."""
     return has_native_bf16()
@@ -146,6 +155,7 @@ def build_model(
     panel_ops: ModuleType | None = None,
     quantization: str | None = None,
     quant_ops: ModuleType | None = None,
+    bf16_weights: bool = False,
 ) -> nn.Module:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
@@ -168,7 +178,7 @@ def build_model(
             raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
         quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if prepack and prepack_supported(device, dtype):
-        prepack_linears(model, panel_ops)
+        prepack_linears(model, panel_ops, bf16_weights)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

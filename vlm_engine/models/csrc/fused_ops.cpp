@@ -452,11 +452,15 @@ void panel_product(const float* xp, int64_t xs, int64_t m, const W* wp, int64_t 
   });
 }
 
+// x and y in x's dtype; panels in x's dtype, or bf16 under fp32 x ("bf16 weights": the fp32 model
+// of a CPU without bf16 dot products streams half the bytes, with fp32 activations and sums).
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
   const bool bf = is_bf16(x, "x");
   check_rows(x, "x", bf ? at::kBFloat16 : at::kFloat);
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() && panels.scalar_type() == x.scalar_type(),
-              "panels must come from pack_panels, in x's dtype");
+  const bool bf_panels = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous() &&
+                  (panels.scalar_type() == x.scalar_type() || bf_panels),
+              "panels must come from pack_panels, in x's dtype or (under fp32 x) bf16");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(panels.size(1) == k, "x has ", k, " features, the weight ", panels.size(1));
   TORCH_CHECK(n > (panels.size(0) - 1) * kPanel && n <= panels.size(0) * kPanel, "n does not match the panels");
@@ -467,6 +471,10 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   }
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
+  if (!bf && bf_panels) {
+    panel_product(x.data_ptr<float>(), x.stride(0), m, Bf16Elem::data(panels), panels.size(0), k, n, bp, y.data_ptr<float>());
+    return y;
+  }
   if (!bf) {
     panel_product(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, n, bp, y.data_ptr<float>());
     return y;
