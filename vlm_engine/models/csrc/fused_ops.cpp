@@ -519,7 +519,8 @@ constexpr int64_t inputs_per_block(int64_t bits) { return bits == 8 ? 4 : 8; }
 inline uint16_t half_bits(float x) { return c10::Half(x).x; }
 inline float half_value(uint16_t b) { return static_cast<float>(c10::Half(b, c10::Half::from_bits())); }
 
-// Byte offset of input kk of column c within a panel's codes, and for int4 whether it is the high nibble.
+// Byte offset of input kk of column c within a panel's codes (int4: inputs 8b+4..8b+7 are the high
+// nibbles of the bytes of 8b..8b+3).
 inline int64_t code_offset(int64_t bits, int64_t c, int64_t kk) {
   const int64_t per_block = inputs_per_block(bits), j = kk % per_block;
   return (kk / per_block) * kBlockBytes + 4 * c + (bits == 8 ? j : j % 4);
