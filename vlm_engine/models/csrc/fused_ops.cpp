@@ -348,13 +348,11 @@ inline void load_panel_row(const uint16_t* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
-// Partial FMA chains per accumulator for MR rows: with 4 / 2 the 8 FMA chains of 1 / 2 rows hide
-// the FMA latency; 3+ rows have enough chains. Used by the bf16 and the quantized panels (the fp32
-// panels keep one chain: their summation order keeps rows batch-invariant).
-constexpr int split_chains(int mr) { return mr == 1 ? 4 : (mr == 2 ? 2 : 1); }
-
+// Partial FMA chains per accumulator for MR rows of bf16 panels: with 4 / 2 the 8 FMA chains of
+// 1 / 2 rows hide the FMA latency; 3+ rows have enough chains. The fp32 panels keep one chain:
+// their summation order keeps rows batch-invariant.
 template <int MR, typename W>
-constexpr int kChains = std::is_same_v<W, float> ? 1 : split_chains(MR);
+constexpr int kChains = std::is_same_v<W, float> ? 1 : (MR == 1 ? 4 : (MR == 2 ? 2 : 1));
 
 // The FMA loop over inputs [k0, k1), accumulating into an aligned [MR][16] block (zeroed first
 // when `first`). This shape is measured, not derived: one function doing the loop, bias and
@@ -471,12 +469,12 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   }
   const float* bp = bias32.defined() ? bias32.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({m, n}, x.options());
-  if (!bf && bf_panels) {
-    panel_product(x.data_ptr<float>(), x.stride(0), m, Bf16Elem::data(panels), panels.size(0), k, n, bp, y.data_ptr<float>());
-    return y;
-  }
   if (!bf) {
-    panel_product(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, n, bp, y.data_ptr<float>());
+    if (bf_panels) {
+      panel_product(x.data_ptr<float>(), x.stride(0), m, Bf16Elem::data(panels), panels.size(0), k, n, bp, y.data_ptr<float>());
+    } else {
+      panel_product(x.data_ptr<float>(), x.stride(0), m, panels.data_ptr<float>(), panels.size(0), k, n, bp, y.data_ptr<float>());
+    }
     return y;
   }
   // bf16: x widened to fp32 once (exact; a few rows: a plain buffer, not a tensor, whose dispatch
@@ -801,8 +799,9 @@ QuantizedRows quantize_rows(const float* x, int64_t xs, int64_t m, int64_t k) {
 at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
                               int64_t bits, const std::optional<at::Tensor>& bias) {
   check_rows(x, "x", at::kFloat);
-  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), blocks = codes_inputs(codes, bits) / inputs_per_block(bits);
-  TORCH_CHECK(codes_inputs(codes, bits) == k, "x has ", k, " features, the weight ", codes_inputs(codes, bits));
+  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), blocks = codes.size(1);
+  const int64_t weight_inputs = codes_inputs(codes, bits);
+  TORCH_CHECK(weight_inputs == k, "x has ", k, " features, the weight ", weight_inputs);
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * (k / kGroup) * 2 * kPanel, "scales do not match the codes");
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   const float* bp = nullptr;
