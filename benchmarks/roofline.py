@@ -52,6 +52,9 @@ class MachineCeilings:
     # ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA / MKL_ENABLE_INSTRUCTIONS capped makes an AVX-512
     # CPU an AVX2 one, whose ceilings are its own.
     isa: str = ""
+    # Which GEMM gave the fp32 ceiling ("mkl" or "onednn"); empty in caches written before both
+    # were measured, which are re-measured.
+    fp32_kernel: str = ""
 
     @property
     def mem_bytes_s(self) -> float:
@@ -65,7 +68,7 @@ class MachineCeilings:
         bf16_n = self.matmul_bf16_n or self.matmul_n
         bf16_size = f" ({bf16_n}^3)" if bf16_n != self.matmul_n else ""
         return (
-            f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32, "
+            f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32 ({self.fp32_kernel or '?'}), "
             f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16{bf16_size}; "
             f"memory read {self.mem_read_bytes_s / 1e9:.1f} GB/s, "
             f"copy {self.mem_copy_bytes_s / 1e9:.1f} GB/s ({self.threads} threads, {self.cpu}, tier {self.isa or '?'})"
@@ -126,6 +129,24 @@ def measure_matmul(n: int = 2048, dtype: str = "float32", repeats: int = 5) -> f
     return 2 * n**3 / _best_time(lambda: torch.matmul(a, b, out=out), repeats)
 
 
+def measure_fp32_matmul(n: int = 2048, repeats: int = 5) -> tuple[float, str]:
+    """The better of torch.matmul's fp32 GEMM (MKL) and oneDNN's on a prepacked weight, and which.
+
+    MKL's sgemm runs its AVX2 code on AMD CPUs: on the 2-core Zen 5 it made 171 GFLOP/s at 2048^3
+    where oneDNN made 416, and our AVX-512 panel kernel ~440 at prefill shapes, so MKL alone put
+    the fp32 ceiling below what the engine reaches."""
+    import torch
+
+    best, kernel = measure_matmul(n, "float32", repeats), "mkl"
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        flops = 2 * n**3 / _best_time(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats)
+        if flops > best:
+            best, kernel = flops, "onednn"
+    return best, kernel
+
+
 def measure_bandwidth(mbytes: int = 512, repeats: int = 5) -> tuple[float, float]:
     """(read bytes/s, copy bytes/s) over a tensor far larger than the last-level cache."""
     import torch
@@ -144,8 +165,9 @@ def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) ->
 
     read, copy = measure_bandwidth(repeats=repeats)
     n32, n16 = matmul_size(n, "float32", max_call_s), matmul_size(n, "bfloat16", max_call_s)
+    fp32_flops, fp32_kernel = measure_fp32_matmul(n32, repeats)
     return MachineCeilings(
-        matmul_fp32_flops=measure_matmul(n32, "float32", repeats),
+        matmul_fp32_flops=fp32_flops,
         matmul_bf16_flops=measure_matmul(n16, "bfloat16", repeats),
         mem_read_bytes_s=read,
         mem_copy_bytes_s=copy,
@@ -155,6 +177,7 @@ def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) ->
         matmul_n=n32,
         matmul_bf16_n=n16 if n16 != n32 else None,
         isa=isa_tier(),
+        fp32_kernel=fp32_kernel,
     )
 
 
@@ -172,7 +195,7 @@ def machine_ceilings(refresh: bool = False, path: Path | None = None) -> Machine
                 torch.get_num_threads(),
                 torch.__version__,
                 isa_tier(),
-            ):
+            ) and cached.fp32_kernel:
                 return cached
         except (TypeError, ValueError):
             pass

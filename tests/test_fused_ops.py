@@ -3,6 +3,10 @@ fp32, each against the torch code it replaces, and the engine's greedy output wi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -348,6 +352,42 @@ def test_fp32_x_on_bf16_panels_is_the_fp32_product_of_the_bf16_weights(ops, n: i
         got = ops.panel_linear(x, panels, n, b)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def panel_outputs(ops: Any) -> dict[str, torch.Tensor]:
+    """panel_linear on fixed inputs: fp32, bf16-weight and bf16 panels, row counts on both sides
+    of every kernel switch (1-2 rows' partial chains, blocks of 6, an odd panel count per thread)."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for m in (1, 2, 3, 5, 7, 13, 64):
+        for n, k in ((16, 64), (20, 257), (100, 96), (600, 300)):
+            w, x, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+            out[f"fp32 {m} {n} {k}"] = ops.panel_linear(x, ops.pack_panels(w), n, b)
+            out[f"bf16w {m} {n} {k}"] = ops.panel_linear(x, ops.pack_panels(w.to(BF16)), n)
+            out[f"bf16 {m} {n} {k}"] = ops.panel_linear(x.to(BF16), ops.pack_panels(w.to(BF16)), n, b.to(BF16))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    cpu_isa.forced_isa() is not None or cpu_isa.isa_tier() not in ("avx512", "avx512_bf16"),
+    reason="needs an AVX-512 CPU running its own tier (else both builds are the AVX2 one)",
+)
+def test_avx512_panel_kernel_gives_the_avx2_builds_bits(ops, tmp_path: Path) -> None:
+    """The AVX-512 build takes two panels per pass in 16-lane vectors; every output is still the
+    AVX2 build's FMA chain over the inputs, so the two builds agree bit for bit (and a model's
+    fast-mode output does not depend on which of the two tiers the CPU has)."""
+    script = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from test_fused_ops import panel_outputs; "
+        "from vlm_engine.models.fused_ops import load_fused_ops; "
+        "torch.save(panel_outputs(load_fused_ops()), sys.argv[2])"
+    )
+    saved = tmp_path / "avx2.pt"
+    env = {**os.environ, cpu_isa.ISA_ENV: "avx2"}
+    subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(saved)], env=env, check=True, timeout=600)
+    avx2, native = torch.load(saved), panel_outputs(ops)
+    assert avx2.keys() == native.keys()
+    assert [key for key in native if not torch.equal(native[key], avx2[key])] == []
 
 
 def test_fp32_packed_linear_with_bf16_weights(ops) -> None:
