@@ -141,7 +141,8 @@ def measure_fp32_matmul(n: int = 2048, repeats: int = 5) -> tuple[float, str]:
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
         a, b = torch.randn(n, n), torch.randn(n, n)
         packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
-        flops = 2 * n**3 / _best_time(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""), repeats)
+        onednn = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+        flops = 2 * n**3 / _best_time(onednn, repeats)
         if flops > best:
             best, kernel = flops, "onednn"
     return best, kernel

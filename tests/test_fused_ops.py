@@ -384,7 +384,8 @@ def test_avx512_panel_kernel_gives_the_avx2_builds_bits(ops, tmp_path: Path) -> 
     )
     saved = tmp_path / "avx2.pt"
     env = {**os.environ, cpu_isa.ISA_ENV: "avx2"}
-    subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), str(saved)], env=env, check=True, timeout=600)
+    command = [sys.executable, "-c", script, str(Path(__file__).parent), str(saved)]
+    subprocess.run(command, env=env, check=True, timeout=600)
     avx2, native = torch.load(saved), panel_outputs(ops)
     assert avx2.keys() == native.keys()
     assert [key for key in native if not torch.equal(native[key], avx2[key])] == []
