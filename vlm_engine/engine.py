@@ -20,6 +20,7 @@ from vlm_engine.attention.backends import create_backend
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
+from vlm_engine.host_memory import keep_freed_memory
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.models.cpu_isa import tier_description
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
@@ -122,6 +123,8 @@ class Engine:
         self.source = resolve_model(model)
         self.hf_config = load_config(self.source)
         self.device = default_device(cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # steps reuse their large activations instead of page-faulting them in
         # Quantized linears keep fp32 activations: "auto" then means float32.
         dtype_choice = "float32" if cfg.quantization else cfg.dtype
         self.dtype = resolve_dtype(dtype_choice, self.hf_config, self.device, self.source.gguf_file is not None)
