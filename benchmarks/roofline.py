@@ -27,6 +27,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+# VLM_ENGINE_ISA=avx2 (our kernels built and chosen for AVX2 + FMA) caps torch's own libraries
+# too, before torch first runs here or in the servers started from here: ATen's dispatch, oneDNN
+# and MKL (torch's BLAS, behind the fp32 matmul ceiling). Without the caps an AVX-512 CPU would
+# measure (and cache) its AVX-512 ceilings as the AVX2 tier's.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+if os.environ.get("VLM_ENGINE_ISA") == "avx2":
+    for _name, _value in AVX2_CAPS.items():
+        os.environ.setdefault(_name, _value)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # One cache file per CPU tier, so alternating native and VLM_ENGINE_ISA=avx2 runs keep both.
 MACHINE_CACHE = RESULTS / "machine-{tier}.json"

@@ -42,14 +42,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# VLM_ENGINE_ISA=avx2 (our kernels built and chosen for AVX2 + FMA) caps torch's own libraries
-# too, before torch first runs here or in the servers started from here: ATen's dispatch, oneDNN
-# and MKL (torch's BLAS, behind the fp32 matmul ceiling). llama.cpp gets its own AVX2 build.
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
-if os.environ.get("VLM_ENGINE_ISA") == "avx2":
-    for _name, _value in AVX2_CAPS.items():
-        os.environ.setdefault(_name, _value)
-
+# First: with VLM_ENGINE_ISA=avx2 importing roofline caps torch's libraries to AVX2 before torch
+# loads (here and in the servers started from here); llama.cpp gets its own AVX2 build.
 import roofline as R
 import serve_bench as SB
 import servers

@@ -122,6 +122,7 @@ struct Scratch {
   float* acc;    // rows_max * D
   float* m;      // rows_max
   float* l;      // rows_max
+  float* alpha;  // rows_max: this tile's rescale of the row's accumulator
   float* s;      // rows_max * kTile
   float* kf;     // kTile * D (bf16 keys converted to fp32)
   float* vf;     // kTile * D (bf16 values converted to fp32)
@@ -130,7 +131,7 @@ struct Scratch {
   Scratch(int64_t rows_max, int64_t qb_max, int64_t D) {
     thread_local std::vector<float> buf;
     thread_local std::vector<int32_t> ibuf;
-    const size_t n = rows_max * D + 2 * rows_max + rows_max * kTile + 2 * kTile * D + 16;
+    const size_t n = rows_max * D + 3 * rows_max + rows_max * kTile + 2 * kTile * D + 16;
     if (buf.size() < n) buf.resize(n);
     if (ibuf.size() < static_cast<size_t>(qb_max)) ibuf.resize(qb_max);
     float* p = buf.data();
@@ -146,6 +147,8 @@ struct Scratch {
     m = p;
     p += rows_max;
     l = p;
+    p += rows_max;
+    alpha = p;
     lim = ibuf.data();
   }
 };
@@ -240,13 +243,32 @@ struct PrefetchCursor {
   void finish() { step(1 << 30); }
 };
 
+// The KV rows (head 0) of item `it`'s first tile, for prefetching; returns how many.
+template <typename T>
+int first_tile(const Params& P, const Item& it, const T** kp, const T** vp) {
+  const int64_t qs = P.qsl[it.b];
+  const int64_t ql = P.qsl[it.b + 1] - qs;
+  const int64_t last_pos = P.seq_lens[it.b] - ql + (it.q1 - 1 - qs);
+  const int64_t end = std::min<int64_t>({last_pos + 1, it.kv1, int64_t(it.kv0) + kTile});
+  const int32_t* bt = P.bt + int64_t(it.b) * P.bt_stride;
+  const T* kbase = reinterpret_cast<const T*>(P.k);
+  const T* vbase = reinterpret_cast<const T*>(P.v);
+  int n = 0;
+  for (int64_t j = it.kv0; j < end; ++j, ++n) {
+    const int64_t page = bt[j / P.page_size], slot = j % P.page_size;
+    kp[n] = kbase + page * P.k_sp + slot * P.k_ss;
+    vp[n] = vbase + page * P.v_sp + slot * P.v_ss;
+  }
+  return n;
+}
+
 // ---------------------------------------------------------------------------
 // Per-item driver shared by all implementations.  Walks the item's KV range in
 // tiles of kTile positions through the block table; Core::tile() processes one
 // tile for all rows.  kp/vp hold per-position base pointers (KV head 0).
 // ---------------------------------------------------------------------------
 template <typename T, typename Core>
-void run_item(const Params& P, const Item& it, Scratch& S) {
+void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
   const int64_t rows = setup_rows(P, it, S);
   const int64_t ntok = it.q1 - it.q0;
   const int32_t max_lim = S.lim[ntok - 1];
@@ -297,16 +319,24 @@ void run_item(const Params& P, const Item& it, Scratch& S) {
       pf.nseg = 0;
       pf.seg = 0;
       pf.off = 0;
+      int pf_n = 0;  // positions of the tile prefetched during this one
       if (nj0 < max_lim) {
         njn = fill(cur ^ 1, nj0);
+        pf_n = njn;
+      } else if (next != nullptr && next->h0 == it.h0 && next->nh == it.nh) {
+        // The last tile: prefetch the first tile of the item this thread runs next, so that it
+        // does not start on a cold page (items of one sequence are ~5 tiles at decode).
+        pf_n = first_tile(P, *next, kp[cur ^ 1], vp[cur ^ 1]);
+      }
 #ifndef PA_NO_PREFETCH
+      if (pf_n > 0) {
         pf.kp = reinterpret_cast<const char* const*>(kp[cur ^ 1]);
         pf.vp = reinterpret_cast<const char* const*>(vp[cur ^ 1]);
-        pf.nseg = njn * 2 * pf.nh_seg;
+        pf.nseg = pf_n * 2 * pf.nh_seg;
         const int64_t lines = int64_t(pf.nseg) * ((pf.seg_bytes + PA_PF_STRIDE - 1) / PA_PF_STRIDE);
         pf.per_row = static_cast<int>((lines + rows - 1) / rows);
-#endif
       }
+#endif
       Core::tile(P, it, S, ntok, j0, jn, kp[cur], vp[cur], pf);
       pf.finish();
       cur ^= 1;
@@ -449,16 +479,77 @@ inline __m512 dot16_bf16(const bf16* q, const bf16* const* k) {
 }
 #endif
 
+// Rows (query heads of one KV head) whose P.V accumulators fit the 32 zmm registers together.
+template <int NV>
+constexpr int kPvGroupRows = NV >= 16 ? 1 : (16 / NV > 8 ? 8 : 16 / NV);
+
+// acc[g] = alpha[g] * acc[g] + sum_j s[g][j] V[j] for GR rows sharing a KV head: each V row is
+// loaded (bf16: widened in registers) once for all GR rows, and the GR * NV accumulators are
+// independent FMA chains (two sets over alternate positions when that is too few to cover the
+// FMA latency).
+template <int NV, int GR, typename VT>
+inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* const* vrow, int64_t voff, int n) {
+  constexpr int D = 16 * NV;
+  constexpr int kSets = GR * NV < 8 ? 2 : 1;
+  __m512 a[kSets][GR][NV];
+  for (int g = 0; g < GR; ++g) {
+    const __m512 va = _mm512_set1_ps(alpha[g]);
+    for (int v = 0; v < NV; ++v) {
+      a[0][g][v] = _mm512_mul_ps(_mm512_load_ps(acc + g * D + 16 * v), va);
+      if constexpr (kSets == 2) a[1][g][v] = _mm512_setzero_ps();
+    }
+  }
+  int j = 0;
+  for (; j + kSets <= n; j += kSets) {
+    for (int k = 0; k < kSets; ++k) {
+      __m512 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load16(vrow[j + k] + voff + 16 * v);
+      for (int g = 0; g < GR; ++g) {
+        const __m512 p = _mm512_set1_ps(s[g * kTile + j + k]);
+        for (int v = 0; v < NV; ++v) a[k][g][v] = _mm512_fmadd_ps(p, vv[v], a[k][g][v]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    __m512 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load16(vrow[j] + voff + 16 * v);
+    for (int g = 0; g < GR; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * kTile + j]);
+      for (int v = 0; v < NV; ++v) a[0][g][v] = _mm512_fmadd_ps(p, vv[v], a[0][g][v]);
+    }
+  }
+  for (int g = 0; g < GR; ++g)
+    for (int v = 0; v < NV; ++v) {
+      __m512 sum = a[0][g][v];
+      if constexpr (kSets == 2) sum = _mm512_add_ps(sum, a[1][g][v]);
+      _mm512_store_ps(acc + g * D + 16 * v, sum);
+    }
+}
+
+// pv_rows for gr <= GR rows (the last group of a head may be short).
+template <int NV, typename VT, int GR = kPvGroupRows<NV>>
+inline void pv_group(int gr, float* acc, const float* s, const float* alpha, const VT* const* vrow, int64_t voff,
+                     int n) {
+  if constexpr (GR > 1) {
+    if (gr < GR) return pv_group<NV, VT, GR - 1>(gr, acc, s, alpha, vrow, voff, n);
+  }
+  pv_rows<NV, GR>(acc, s, alpha, vrow, voff, n);
+}
+
 // kDp: bf16 keys are consumed directly by vdpbf16ps (else converted to fp32 per tile).
+// bf16 values: for a single query token (decode) each row group widens V in registers; with
+// more tokens the head's tile is widened once into scratch and shared by all of them.
 template <typename T, int NV, bool kDp>
 struct Avx512Core {
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
                    const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     constexpr int D = NV * 16;
+    constexpr int kGroup = kPvGroupRows<NV>;
     const int64_t G = P.G;
     const int64_t rpt = int64_t(it.nh) * G;
     const __m512 vc = _mm512_set1_ps(P.c);
     const __m512 vneg = _mm512_set1_ps(kNegInf);
+    const bool widen_v_once = std::is_same_v<T, bf16> && ntok > 1;
     const float* kpf[kTile];
     const float* vpf[kTile];
     const bf16* kpb[kTile];
@@ -467,18 +558,16 @@ struct Avx512Core {
       const int64_t kvh = it.h0 + hk;
       const int64_t koff = kvh * P.k_sh, voff = kvh * P.v_sh;
       if constexpr (std::is_same_v<T, float>) {
-        for (int j = 0; j < kTile; ++j) {
-          kpf[j] = kp[j] + koff;
-          vpf[j] = vp[j] + voff;
-        }
+        for (int j = 0; j < kTile; ++j) kpf[j] = kp[j] + koff;
       } else {
-        // Convert this head's tile once for all rows sharing it.
-        for (int j = 0; j < jn; ++j) {
-          float* vd = S.vf + j * D;
-          for (int v = 0; v < NV; ++v) _mm512_store_ps(vd + 16 * v, load16(vp[j] + voff + 16 * v));
-          vpf[j] = vd;
+        if (widen_v_once) {
+          for (int j = 0; j < jn; ++j) {
+            float* vd = S.vf + j * D;
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(vd + 16 * v, load16(vp[j] + voff + 16 * v));
+            vpf[j] = vd;
+          }
+          for (int j = jn; j < kTile; ++j) vpf[j] = S.vf;
         }
-        for (int j = jn; j < kTile; ++j) vpf[j] = S.vf;
         if constexpr (kDp) {
           for (int j = 0; j < kTile; ++j) kpb[j] = kp[j] + koff;
         } else {
@@ -494,8 +583,9 @@ struct Avx512Core {
       for (int64_t ti = 0; ti < ntok; ++ti) {
         const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
         if (n <= 0) continue;
+        const int64_t r0 = ti * rpt + hk * G;
         for (int64_t g = 0; g < G; ++g) {
-          const int64_t r = ti * rpt + hk * G + g;
+          const int64_t r = r0 + g;
           const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
           float* sr = S.s + r * kTile;
           __m512 vmax = vneg;
@@ -530,43 +620,18 @@ struct Avx512Core {
           }
           S.m[r] = mnew;
           S.l[r] = S.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+          S.alpha[r] = alpha;
           pf.row_done();
-
-          float* ar = S.acc + r * D;
-          __m512 a0[NV];
-          for (int v = 0; v < NV; ++v) a0[v] = _mm512_load_ps(ar + 16 * v);
-          if (alpha != 1.f) {
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int v = 0; v < NV; ++v) a0[v] = _mm512_mul_ps(a0[v], va);
-          }
-          if constexpr (NV <= 8) {
-            // Two accumulator sets to hide FMA latency for small D.
-            __m512 a1[NV];
-            for (int v = 0; v < NV; ++v) a1[v] = _mm512_setzero_ps();
-            int j = 0;
-            for (; j + 1 < n; j += 2) {
-              const __m512 p0 = _mm512_set1_ps(sr[j]);
-              const __m512 p1 = _mm512_set1_ps(sr[j + 1]);
-              const float* v0 = vpf[j];
-              const float* v1 = vpf[j + 1];
-              for (int v = 0; v < NV; ++v) {
-                a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
-                a1[v] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * v), a1[v]);
-              }
-            }
-            if (j < n) {
-              const __m512 p0 = _mm512_set1_ps(sr[j]);
-              const float* v0 = vpf[j];
-              for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
-            }
-            for (int v = 0; v < NV; ++v) _mm512_store_ps(ar + 16 * v, _mm512_add_ps(a0[v], a1[v]));
+        }
+        for (int64_t g = 0; g < G; g += kGroup) {
+          const int gr = static_cast<int>(std::min<int64_t>(kGroup, G - g));
+          float* acc = S.acc + (r0 + g) * D;
+          const float* s = S.s + (r0 + g) * kTile;
+          const float* alpha = S.alpha + r0 + g;
+          if (std::is_same_v<T, float> || !widen_v_once) {
+            pv_group<NV>(gr, acc, s, alpha, vp, voff, n);
           } else {
-            for (int j = 0; j < n; ++j) {
-              const __m512 p0 = _mm512_set1_ps(sr[j]);
-              const float* v0 = vpf[j];
-              for (int v = 0; v < NV; ++v) a0[v] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * v), a0[v]);
-            }
-            for (int v = 0; v < NV; ++v) _mm512_store_ps(ar + 16 * v, a0[v]);
+            pv_group<NV>(gr, acc, s, alpha, vpf, 0, n);
           }
         }
       }
@@ -752,7 +817,7 @@ struct Avx2Core {
 };
 #endif  // PA_AVX2
 
-using ItemFn = void (*)(const Params&, const Item&, Scratch&);
+using ItemFn = void (*)(const Params&, const Item&, const Item*, Scratch&);
 
 template <typename T>
 ItemFn select_kernel(int64_t D, int64_t impl) {
@@ -927,10 +992,15 @@ void run_all(Params& P, int64_t B, int64_t impl) {
   std::atomic<int64_t> next{0};
   auto worker = [&](int64_t, int64_t) {
     Scratch S(P.rows_max, P.qb_max, P.D);
-    for (;;) {
-      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= n_items) break;
-      fn(P, items[i], S);
+    // While more items are left than threads, a thread claims its next item before running the
+    // current one, so that the current one's last tile can prefetch the next one's first (near
+    // the end it does not, so that no thread holds an item another one could be running).
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    while (i < n_items) {
+      int64_t ahead = n_items;
+      if (next.load(std::memory_order_relaxed) + nt < n_items) ahead = next.fetch_add(1, std::memory_order_relaxed);
+      fn(P, items[i], ahead < n_items ? &items[ahead] : nullptr, S);
+      i = ahead < n_items ? ahead : next.fetch_add(1, std::memory_order_relaxed);
     }
   };
   if (parallel && n_items > 1) {
