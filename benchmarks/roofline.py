@@ -245,7 +245,7 @@ class ModelCost:
         self, batch: int, context: float, dtype_bytes: int, weight_bytes: tuple[float, float] | None = None
     ) -> float:
         """Weights once plus every sequence's KV; `weight_bytes` (decoder, LM head) per weight where
-        the weights are quantized, else `dtype_bytes` as the KV."""
+        the weights are stored narrower than the activations, else `dtype_bytes` as the KV."""
         decoder, head = weight_bytes or (dtype_bytes, dtype_bytes)
         weights = self.decoder_params * decoder + self.lm_head_params * head
         return weights + batch * context * self.kv_bytes_per_token(dtype_bytes)
@@ -331,19 +331,22 @@ class Roofline:
         return ""
 
 
-# Bytes per weight (decoder, LM head) of the weight-only schemes: llama.cpp's Q4_1 files and our
-# int4 keep the LM head in Q8_0 (34 bytes per 32 weights; Q4_1 20). Activations and KV count as
-# fp32, and the FLOP share is against the fp32 matmul ceiling (no integer one is measured).
-QUANTIZED_WEIGHT_BYTES = {"int4": (20 / 32, 34 / 32), "int8": (34 / 32, 34 / 32)}
+# Bytes per weight (decoder, LM head) of the runs whose weights are stored narrower than their fp32
+# activations: the weight-only schemes (llama.cpp's Q4_1 files and our int4 keep the LM head in
+# Q8_0, 34 bytes per 32 weights; Q4_1 20), and BF16_WEIGHTS, what dtype="auto" runs on a CPU
+# without bf16 dot products (fp32 activations on bf16 weights). KV counts as fp32, and the FLOP
+# share is against the fp32 matmul ceiling (no integer one is measured).
+BF16_WEIGHTS = "float32/bf16-weights"
+NARROW_WEIGHT_BYTES = {"int4": (20 / 32, 34 / 32), "int8": (34 / 32, 34 / 32), BF16_WEIGHTS: (2, 2)}
 
 
 def roofline(
     cost: ModelCost, machine: MachineCeilings, batch: float, context: float, step_s: float, dtype: str, basis: str
 ) -> Roofline:
-    quantized = QUANTIZED_WEIGHT_BYTES.get(dtype)
-    dtype_bytes = 4 if dtype in ("float32", "fp32") or quantized else 2
+    narrow = NARROW_WEIGHT_BYTES.get(dtype)
+    dtype_bytes = 4 if dtype in ("float32", "fp32") or narrow else 2
     flops = batch * cost.flops_per_token(context) / step_s
-    bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes, quantized) / step_s
+    bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes, narrow) / step_s
     return Roofline(
         batch,
         context,
@@ -427,7 +430,7 @@ def engine_decode_step(
     forwards.sort()
     return {
         "model_dir": str(engine.source.directory),
-        "dtype": str(engine.dtype).replace("torch.", ""),
+        "dtype": BF16_WEIGHTS if engine.bf16_weights else str(engine.dtype).replace("torch.", ""),
         "batch": batch,
         "context": context + (prefill_steps - 1) / 2 + steps / 2,  # mean KV length while measured
         "step_s": totals[len(totals) // 2],

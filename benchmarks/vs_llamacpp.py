@@ -225,16 +225,23 @@ def run_server(
 
 def roofline_dtype(spec: servers.ServerSpec, hf_dir: Path) -> str:
     """What a server's weights stream as, for its per-point roofline: the Q4_1 file (llama.cpp's, or
-    ours as int4) as int4, llama.cpp's converted GGUF as float32, ours what dtype auto picks here."""
+    ours as int4) as int4, llama.cpp's converted GGUF as float32, ours what its dtype picks here."""
     if spec.model_dir.endswith(".gguf"):
         return "int4" if "Q4_1" in Path(spec.model_dir).name else "float32"
+    return ours_roofline_dtype(spec.dtype, hf_dir)
+
+
+def ours_roofline_dtype(dtype_choice: str, hf_dir: Path) -> str:
+    """The dtype our engine resolves `dtype_choice` to on this CPU, or roofline.BF16_WEIGHTS where
+    that is fp32 on bf16 weights (auto on a CPU without bf16 dot products)."""
     import torch
     from transformers import AutoConfig
 
-    from vlm_engine.models.registry import resolve_dtype
+    from vlm_engine.models.registry import cpu_bf16_weights, resolve_dtype
 
-    config = AutoConfig.from_pretrained(hf_dir)
-    return str(resolve_dtype(spec.dtype, config, torch.device("cpu"), is_gguf=False)).removeprefix("torch.")
+    cpu = torch.device("cpu")
+    dtype = resolve_dtype(dtype_choice, AutoConfig.from_pretrained(hf_dir), cpu, is_gguf=False)
+    return R.BF16_WEIGHTS if cpu_bf16_weights(dtype_choice, dtype, cpu) else str(dtype).removeprefix("torch.")
 
 
 def decode_ceiling_line(hf_dir: Path, machine: R.MachineCeilings) -> str:

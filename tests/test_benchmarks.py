@@ -354,6 +354,10 @@ def test_roofline_fractions_and_line(tmp_path: Path) -> None:
     int4 = R.roofline(cost, machine, 1, 0, 0.1, "int4", "x")  # Q4_1: 20 bytes per 32 weights
     assert int4.bandwidth_fraction == pytest.approx(1e8 * 20 / 32 / 0.1 / 30e9)
     assert int4.flops_fraction == pytest.approx(2e8 / 0.1 / 100e9)  # against the fp32 ceiling
+    # fp32 activations on bf16 weights (auto without bf16 dot products): 2 bytes a weight, fp32 FLOPs.
+    bf16_weights = R.roofline(cost, machine, 1, 0, 0.1, R.BF16_WEIGHTS, "x")
+    assert bf16_weights.bandwidth_fraction == pytest.approx(1e8 * 2 / 0.1 / 30e9)
+    assert bf16_weights.flops_fraction == pytest.approx(2e8 / 0.1 / 100e9)
     assert "n/a" in R.roofline_line(None, 1, 1, 0.1, "float32", "x", machine)
     assert "n/a" in R.roofline_line(tmp_path, 1, 1, 0.1, "float32", "x", machine)  # no checkpoint there
 
@@ -364,6 +368,14 @@ def test_engine_decode_step_measures_only_full_batches(tiny_vlm_dir: Path) -> No
     m = R.engine_decode_step(str(tiny_vlm_dir), "float32", batch=16, context=600, steps=4)
     assert m["batch_sizes"] == [16] * 4 and 0 < m["forward_s"] <= m["step_s"]
     assert 600 < m["context"] < 620
+
+
+def test_engine_decode_step_labels_fp32_on_bf16_weights(tiny_vlm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without bf16 dot products auto keeps fp32 activations on bf16 weights: the roofline must count
+    # 2 bytes a weight there, so the step says so; an explicit float32 keeps fp32 weights.
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")
+    assert R.engine_decode_step(str(tiny_vlm_dir), "auto", batch=2, context=8, steps=1)["dtype"] == R.BF16_WEIGHTS
+    assert R.engine_decode_step(str(tiny_vlm_dir), "float32", batch=2, context=8, steps=1)["dtype"] == "float32"
 
 
 def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
