@@ -10,8 +10,8 @@ of 6.0 s; with mmap off and trimming above 2 GiB only, 1.88 req/s and those ops 
 
 The cost: the process keeps the heap of its largest step (RSS does not fall after a big prefill),
 as a server that preallocates its KV cache expects. VLM_ENGINE_KEEP_FREED_MEMORY=0 leaves glibc's
-defaults. Allocations of threads other than the engine's (it steps on the process's main thread)
-use per-thread arenas, which still map large chunks themselves.
+defaults. Threads other than the engine's (it steps on the process's main thread) allocate from
+per-thread arenas, whose heaps glibc maps and shrinks on its own terms.
 """
 
 from __future__ import annotations
