@@ -163,16 +163,19 @@ inline const T* q_row(const Params& P, int64_t t, int64_t h) {
   return reinterpret_cast<const T*>(P.q) + t * P.q_st + h * P.q_sh;
 }
 
-// Fill per-token visibility limits and reset the running state; returns the row count.
-inline int64_t setup_rows(const Params& P, const Item& it, Scratch& S) {
+// Exclusive end of the KV range query token t (of item it's sequence) sees within the item:
+// causal up to its absolute position, and no further than the item's KV range.
+inline int32_t visible_end(const Params& P, const Item& it, int64_t t) {
   const int64_t qs = P.qsl[it.b];
   const int64_t ql = P.qsl[it.b + 1] - qs;
-  const int64_t sl = P.seq_lens[it.b];
+  const int64_t pos = P.seq_lens[it.b] - ql + (t - qs);  // absolute position of query token t
+  return static_cast<int32_t>(std::min<int64_t>(pos + 1, it.kv1));
+}
+
+// Fill per-token visibility limits and reset the running state; returns the row count.
+inline int64_t setup_rows(const Params& P, const Item& it, Scratch& S) {
   const int64_t rows = int64_t(it.q1 - it.q0) * it.nh * P.G;
-  for (int64_t t = it.q0; t < it.q1; ++t) {
-    const int64_t pos = sl - ql + (t - qs);  // absolute position of query token t
-    S.lim[t - it.q0] = static_cast<int32_t>(std::min<int64_t>(pos + 1, it.kv1));
-  }
+  for (int64_t t = it.q0; t < it.q1; ++t) S.lim[t - it.q0] = visible_end(P, it, t);
   for (int64_t r = 0; r < rows; ++r) {
     S.m[r] = kNegInf;
     S.l[r] = 0.f;
@@ -243,22 +246,31 @@ struct PrefetchCursor {
   void finish() { step(1 << 30); }
 };
 
-// The KV rows (head 0) of item `it`'s first tile, for prefetching; returns how many.
+// Pointers (KV head 0) to the n KV positions from j0 of sequence b, through its block table.
 template <typename T>
-int first_tile(const Params& P, const Item& it, const T** kp, const T** vp) {
-  const int64_t qs = P.qsl[it.b];
-  const int64_t ql = P.qsl[it.b + 1] - qs;
-  const int64_t last_pos = P.seq_lens[it.b] - ql + (it.q1 - 1 - qs);
-  const int64_t end = std::min<int64_t>({last_pos + 1, it.kv1, int64_t(it.kv0) + kTile});
-  const int32_t* bt = P.bt + int64_t(it.b) * P.bt_stride;
+inline void kv_rows(const Params& P, int32_t b, int64_t j0, int n, const T** kp, const T** vp) {
+  const int32_t* bt = P.bt + int64_t(b) * P.bt_stride;
   const T* kbase = reinterpret_cast<const T*>(P.k);
   const T* vbase = reinterpret_cast<const T*>(P.v);
-  int n = 0;
-  for (int64_t j = it.kv0; j < end; ++j, ++n) {
-    const int64_t page = bt[j / P.page_size], slot = j % P.page_size;
-    kp[n] = kbase + page * P.k_sp + slot * P.k_ss;
-    vp[n] = vbase + page * P.v_sp + slot * P.v_ss;
+  int64_t pidx = j0 / P.page_size;
+  int64_t slot = j0 % P.page_size;
+  for (int j = 0; j < n; ++j) {
+    const int64_t page = bt[pidx];
+    kp[j] = kbase + page * P.k_sp + slot * P.k_ss;
+    vp[j] = vbase + page * P.v_sp + slot * P.v_ss;
+    if (++slot == P.page_size) {
+      slot = 0;
+      ++pidx;
+    }
   }
+}
+
+// The KV rows of item it's first tile (for prefetching); returns how many.
+template <typename T>
+int first_tile(const Params& P, const Item& it, const T** kp, const T** vp) {
+  const int64_t end = std::min<int64_t>(visible_end(P, it, it.q1 - 1), int64_t(it.kv0) + kTile);
+  const int n = static_cast<int>(std::max<int64_t>(end - it.kv0, 0));
+  kv_rows(P, it.b, it.kv0, n, kp, vp);
   return n;
 }
 
@@ -272,10 +284,6 @@ void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
   const int64_t rows = setup_rows(P, it, S);
   const int64_t ntok = it.q1 - it.q0;
   const int32_t max_lim = S.lim[ntok - 1];
-  const T* kbase = reinterpret_cast<const T*>(P.k);
-  const T* vbase = reinterpret_cast<const T*>(P.v);
-  const int32_t* bt = P.bt + int64_t(it.b) * P.bt_stride;
-  const int64_t ps = P.page_size;
   // Bytes to prefetch per position: the item's heads [h0, h0+nh) (one range if heads are dense).
   const int64_t row_bytes = P.D * int64_t(sizeof(T));
   const bool k_dense = P.k_sh == P.D, v_dense = P.v_sh == P.D;
@@ -284,19 +292,9 @@ void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
   // software-prefetched (pages are scattered, so hardware prefetchers can't follow them).
   const T* kp[2][kTile];
   const T* vp[2][kTile];
-  int64_t pidx = it.kv0 / ps;
-  int64_t slot = it.kv0 % ps;
   auto fill = [&](int buf, int32_t j0) -> int {
     const int jn = static_cast<int>(std::min<int32_t>(kTile, max_lim - j0));
-    for (int j = 0; j < jn; ++j) {
-      const int64_t page = bt[pidx];
-      kp[buf][j] = kbase + page * P.k_sp + slot * P.k_ss;
-      vp[buf][j] = vbase + page * P.v_sp + slot * P.v_ss;
-      if (++slot == ps) {
-        slot = 0;
-        ++pidx;
-      }
-    }
+    kv_rows(P, it.b, j0, jn, kp[buf], vp[buf]);
     for (int j = jn; j < kTile; ++j) {  // pad with a valid pointer (masked later)
       kp[buf][j] = kp[buf][0];
       vp[buf][j] = vp[buf][0];
@@ -499,25 +497,19 @@ inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* co
       if constexpr (kSets == 2) a[1][g][v] = _mm512_setzero_ps();
     }
   }
-  int j = 0;
-  for (; j + kSets <= n; j += kSets) {
-    for (int k = 0; k < kSets; ++k) {
-      __m512 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load16(vrow[j + k] + voff + 16 * v);
-      for (int g = 0; g < GR; ++g) {
-        const __m512 p = _mm512_set1_ps(s[g * kTile + j + k]);
-        for (int v = 0; v < NV; ++v) a[k][g][v] = _mm512_fmadd_ps(p, vv[v], a[k][g][v]);
-      }
-    }
-  }
-  for (; j < n; ++j) {
+  // Position j into accumulator set k.
+  auto add_position = [&](int j, int k) {
     __m512 vv[NV];
     for (int v = 0; v < NV; ++v) vv[v] = load16(vrow[j] + voff + 16 * v);
     for (int g = 0; g < GR; ++g) {
       const __m512 p = _mm512_set1_ps(s[g * kTile + j]);
-      for (int v = 0; v < NV; ++v) a[0][g][v] = _mm512_fmadd_ps(p, vv[v], a[0][g][v]);
+      for (int v = 0; v < NV; ++v) a[k][g][v] = _mm512_fmadd_ps(p, vv[v], a[k][g][v]);
     }
-  }
+  };
+  int j = 0;
+  for (; j + kSets <= n; j += kSets)
+    for (int k = 0; k < kSets; ++k) add_position(j + k, k);
+  for (; j < n; ++j) add_position(j, 0);
   for (int g = 0; g < GR; ++g)
     for (int v = 0; v < NV; ++v) {
       __m512 sum = a[0][g][v];
@@ -628,7 +620,7 @@ struct Avx512Core {
           float* acc = S.acc + (r0 + g) * D;
           const float* s = S.s + (r0 + g) * kTile;
           const float* alpha = S.alpha + r0 + g;
-          if (std::is_same_v<T, float> || !widen_v_once) {
+          if (!widen_v_once) {
             pv_group<NV>(gr, acc, s, alpha, vp, voff, n);
           } else {
             pv_group<NV>(gr, acc, s, alpha, vpf, 0, n);
