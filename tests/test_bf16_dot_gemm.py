@@ -1,0 +1,85 @@
+"""The bf16 linear on vdpbf16ps (AVX-512 BF16): the fp32 product of the bf16 numbers rounded once,
+rows independent of the batch, and PackedLinear's choice between it and oneDNN by row count.
+Skipped where the CPU (or VLM_ENGINE_ISA) has no bf16 dot products: the kernel cannot run there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
+from vlm_engine.models.prepack import BF16_DOT_MAX_ROWS, PackedLinear, prepack_linears
+
+BF16 = torch.bfloat16
+
+dot = load_bf16_dot_gemm()
+pytestmark = pytest.mark.skipif(dot is None, reason="no AVX-512 BF16 on this CPU (or its build)")
+
+
+def bf16_randn(*shape: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(BF16)
+
+
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (49, 100), (5, 3), (40, 1537)])
+def test_dot_linear_is_the_fp32_product_rounded_once(n: int, k: int) -> None:
+    """Odd K (a zero-padded last pair), N off the 16-column panels and the 3-panel tiles, every
+    row-tile remainder: within one bf16 rounding of the fp32 product of the bf16 numbers."""
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w, b = bf16_randn(n, k, gen=gen), bf16_randn(n, gen=gen)
+    pairs = dot.pack_pairs(w)
+    assert pairs.dtype == BF16 and tuple(pairs.shape) == ((n + 15) // 16, (k + 1) // 2, 32)
+    for rows in (1, 3, 8, 13, 70):
+        x = bf16_randn(rows, k, gen=gen)
+        for bias in (b, None):
+            got = dot.dot_linear(x, pairs, n, bias)
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            assert got.dtype == BF16 and got.shape == (rows, n)
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5 * k**0.5)
+
+
+def test_dot_linear_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = bf16_randn(200, 96, gen=gen)
+    pairs = dot.pack_pairs(w)
+    x = bf16_randn(67, 96, gen=gen)
+    full = dot.dot_linear(x, pairs, 200)
+    for lo, hi in ((0, 1), (5, 6), (3, 12), (60, 67), (1, 66)):
+        assert torch.equal(dot.dot_linear(x[lo:hi], pairs, 200), full[lo:hi])
+    strided = torch.cat([x, x], dim=1)[:, :96]  # a row stride other than K
+    assert torch.equal(dot.dot_linear(strided, pairs, 200), full)
+
+
+def test_dot_linear_rejects_mismatched_inputs() -> None:
+    gen = torch.Generator().manual_seed(4)
+    pairs = dot.pack_pairs(bf16_randn(32, 64, gen=gen))
+    with pytest.raises(RuntimeError, match="features"):
+        dot.dot_linear(bf16_randn(2, 66, gen=gen), pairs, 32)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        dot.dot_linear(bf16_randn(2, 64, gen=gen), pairs, 48)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        dot.dot_linear(torch.ones(2, 64), pairs, 32)
+    assert dot.dot_linear(bf16_randn(0, 64, gen=gen), pairs, 32).shape == (0, 32)
+
+
+def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above() -> None:
+    gen = torch.Generator().manual_seed(5)
+    linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
+    packed = PackedLinear(linear, None, False, dot)
+    assert packed._pairs is not None and packed._panels is None and "dot pairs" in repr(packed)
+    small, large = bf16_randn(BF16_DOT_MAX_ROWS, 96, gen=gen), bf16_randn(BF16_DOT_MAX_ROWS + 1, 96, gen=gen)
+    assert torch.equal(packed(small), dot.dot_linear(small, packed._pairs, 40, packed.bias))
+    onednn = torch.ops.mkldnn._linear_pointwise(large, packed.weight, packed.bias, "none", [], "")
+    assert torch.equal(packed(large), onednn)
+    for x in (small, large):
+        torch.testing.assert_close(packed(x).float(), linear(x).float(), rtol=2**-7, atol=1e-2)
+
+
+def test_prepack_hands_bf16_linears_to_the_dot_kernel_and_leaves_fp32_alone() -> None:
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8)).requires_grad_(False)
+    assert prepack_linears(model.to(BF16), None, False, dot) == 2
+    assert all(m._pairs is not None for m in model)
+    fp32 = nn.Sequential(nn.Linear(16, 24)).requires_grad_(False)
+    assert prepack_linears(fp32, None, False, dot) == 1
+    assert fp32[0]._pairs is None
