@@ -211,11 +211,14 @@ def test_long_prefill_with_cached_prefix(ext, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("nthreads", [1, 2])
 def test_few_sequences_split_paths(ext, threads, nthreads, dtype):
-    """Few items -> per-KV-head split and KV-axis split (+ merge) when running multi-threaded."""
+    """Few items -> KV-axis split (+ merge), and a per-KV-head split of the items too short for it,
+    when running multi-threaded."""
     threads(nthreads)
-    # batch-1 long decode, batch-2 decode (head split), and single-block prefill chunks whose last
-    # KV partition may be invisible to the chunk's earlier queries (empty partials in the merge).
-    cases = [([1], [3000], 3, 3), ([1, 1], [900, 1200], 3, 3)]
+    # batch-1 and batch-2 long decodes (KV split), five short decodes (head split only), one long
+    # and three short ones (both at once), and single-block prefill chunks whose last KV partition
+    # may be invisible to the chunk's earlier queries (empty partials in the merge).
+    cases = [([1], [3000], 3, 3), ([1, 1], [900, 1200], 3, 3), ([1] * 5, [450, 470, 430, 480, 500], 3, 3)]
+    cases += [([1] * 4, [700, 450, 450, 450], 3, 3)]
     cases += [([q], [kv], 1, 1) for q, kv in ((64, 2050), (40, 2333), (63, 2593), (50, 2113), (7, 2401))]
     for i, (q_lens, kv_lens, Hkv, G) in enumerate(cases):
         args = make_case(q_lens, kv_lens, Hkv, G, 64, 16, dtype, seed=100 + i)
