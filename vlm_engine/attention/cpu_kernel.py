@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_extension",
+    "cpu_kernels_disabled",
     "extension_build_dir",
     "load_extension_module",
     "load_paged_attention",
@@ -134,10 +135,16 @@ def build_extension(name: str = EXT_NAME, source: Path = _SRC, build_dir: Path |
     return None
 
 
+def cpu_kernels_disabled() -> bool:
+    """VLM_ENGINE_DISABLE_CPU_KERNEL set: every C++ extension (attention, fused ops, the bf16 linear)
+    stays unbuilt and the torch paths run."""
+    return os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0")
+
+
 @functools.cache
 def load_extension_module():
     """The extension module (built once per process, cached on disk); ``None`` if unavailable."""
-    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
+    if cpu_kernels_disabled():
         logger.info("fused CPU paged attention disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
         return None
     return build_extension()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -22,12 +21,10 @@ _SRC = Path(__file__).resolve().parent / "csrc" / "bf16_dot_gemm.cpp"
 
 @functools.cache
 def load_bf16_dot_gemm() -> ModuleType | None:
-    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
-        return None
-    if not has_native_bf16():
-        return None
-    from vlm_engine.attention.cpu_kernel import build_extension
+    from vlm_engine.attention.cpu_kernel import build_extension, cpu_kernels_disabled
 
+    if cpu_kernels_disabled() or not has_native_bf16():
+        return None
     module = build_extension(EXT_NAME, _SRC)
     if module is None or not module.dot_linear_available():
         logger.info("bf16 dot-product linear unavailable in this build; bf16 linears stay on oneDNN")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
@@ -29,9 +28,10 @@ def fused_ops_apply(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def load_fused_ops() -> ModuleType | None:
-    if os.environ.get("VLM_ENGINE_DISABLE_CPU_KERNEL", "") not in ("", "0"):
+    from vlm_engine.attention.cpu_kernel import build_extension, cpu_kernels_disabled
+
+    if cpu_kernels_disabled():
         logger.info("fused CPU ops disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
         return None
-    from vlm_engine.attention.cpu_kernel import build_extension
 
     return build_extension(EXT_NAME, _SRC)

@@ -101,6 +101,8 @@ class PackedLinear(nn.Module):
         # bf16 on the dot kernel: its pairs replace the panels.
         self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
         self._pairs = None if self._dot_ops is None else self._dot_ops.pack_pairs(weight.contiguous())
+        # The dot kernel adds the bias in fp32: converted once here, not on every call.
+        self._dot_bias = None if self._pairs is None or self.bias is None else self.bias.float()
         self._panels = None if panel_ops is None or self._pairs is not None else panel_ops.pack_panels(stored)
         # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
         self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
@@ -121,7 +123,7 @@ class PackedLinear(nn.Module):
             return x.new_empty(*lead, self.out_features)
         if self._pairs is not None and flat.shape[0] <= BF16_DOT_MAX_ROWS:
             assert self._dot_ops is not None
-            out = self._dot_ops.dot_linear(flat, self._pairs, self.out_features, self.bias)
+            out = self._dot_ops.dot_linear(flat, self._pairs, self.out_features, self._dot_bias)
         elif self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
             assert self._panel_ops is not None
             out = self._panel_ops.panel_linear(flat, self._panels, self.out_features, self.bias)

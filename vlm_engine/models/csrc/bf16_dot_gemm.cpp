@@ -92,8 +92,8 @@ struct PrefetchStream {
 };
 
 // MR rows of x (row stride xs, in bf16 elements) times NP panels (`ps` elements apart) over all
-// `pairs` input pairs; writes MR x ncols bf16 outputs (row stride ys) with the bias (fp32, padded
-// to the panels, or null) added before the one rounding.
+// `pairs` input pairs; writes MR x ncols bf16 outputs (row stride ys) with the bias (fp32 or null)
+// added before the one rounding.
 template <int MR, int NP>
 inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ps, int64_t pairs, const float* bias,
                      uint16_t* y, int64_t ys, int64_t ncols, PrefetchStream& pf) {
@@ -115,7 +115,7 @@ inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t p
     const int64_t c0 = j * kPanel;
     if (c0 >= ncols) break;
     const __mmask16 mask = ncols - c0 >= kPanel ? __mmask16(0xFFFF) : __mmask16((1u << (ncols - c0)) - 1);
-    const __m512 bj = bias ? _mm512_loadu_ps(bias + c0) : _mm512_setzero_ps();
+    const __m512 bj = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();
     for (int r = 0; r < MR; ++r) {
       const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][j], bj));
       _mm256_mask_storeu_epi16(y + r * ys + c0, mask, out);
@@ -185,11 +185,11 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
   TORCH_CHECK(pairs == (k + 1) / 2, "x has ", k, " features, the weight ", 2 * pairs, " (padded to even)");
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
+  // The bias is added in fp32: PackedLinear keeps an fp32 copy, so this converts nothing per call.
   at::Tensor bias32;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n, "bias must have n elements");
-    bias32 = at::zeros({panels * kPanel}, x.options().dtype(at::kFloat));
-    bias32.narrow(0, 0, n).copy_(bias->reshape({n}));
+    bias32 = bias->reshape({n}).to(at::kFloat).contiguous();
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
