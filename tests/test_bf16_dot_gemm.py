@@ -83,3 +83,58 @@ def test_prepack_hands_bf16_linears_to_the_dot_kernel_and_leaves_fp32_alone() ->
     fp32 = nn.Sequential(nn.Linear(16, 24)).requires_grad_(False)
     assert prepack_linears(fp32, None, False, dot) == 1
     assert fp32[0]._pairs is None
+
+
+@pytest.mark.parametrize(("inter", "k"), [(1536, 576), (40, 96), (8, 7)])
+def test_dot_silu_mul_equals_the_linear_then_the_fused_op(inter: int, k: int) -> None:
+    """The gate/up kernel rounds where the unfused path does (the projection, the activation, the
+    product): bit-identical to dot_linear followed by fused_ops' silu_and_mul, at every row-tile
+    remainder, odd K, and an odd count of 8-column panels (inter 40: 5 panels, a 2-panel tile)."""
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    fused = load_fused_ops()
+    assert fused is not None
+    gen = torch.Generator().manual_seed(inter + k)
+    w = (torch.randn(2 * inter, k, generator=gen) / k**0.5).to(BF16)
+    gated, plain = dot.pack_gate_up(w), dot.pack_pairs(w)
+    for rows in (1, 3, 8, 13, 70):
+        x = bf16_randn(rows, k, gen=gen)
+        got = dot.dot_silu_mul(x, gated, inter)
+        assert got.dtype == BF16 and got.shape == (rows, inter)
+        assert torch.equal(got, fused.silu_and_mul(dot.dot_linear(x, plain, 2 * inter)))
+    with pytest.raises(RuntimeError, match="inter does not match"):
+        dot.dot_silu_mul(x, gated, inter + 8)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        dot.pack_gate_up(w[:-8])
+
+
+def test_gated_mlp_takes_the_gate_up_kernel_and_stays_the_mlp() -> None:
+    """prepack_linears packs GatedMLP's gate/up projection for dot_silu_mul: the MLP's output
+    equals the unfused bf16 MLP's; above the kernel's rows (oneDNN), and for a plain call of the
+    projection, the product and the fused op still give the same numbers."""
+    from vlm_engine.models.fused_ops import load_fused_ops
+    from vlm_engine.models.layers import GatedMLP
+
+    fused = load_fused_ops()
+    assert fused is not None
+    gen = torch.Generator().manual_seed(6)
+    mlp = GatedMLP(96, 48).requires_grad_(False).to(BF16)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 96**0.5)
+    reference = GatedMLP(96, 48).to(BF16)
+    reference.load_state_dict(mlp.state_dict())
+    prepack_linears(mlp, None, False, dot)
+    gate_up = mlp.gate_up_proj
+    assert gate_up._gate_up_pairs is not None and gate_up._pairs is None and "silu(gate) * up" in repr(gate_up)
+    for rows in (1, 9, BF16_DOT_MAX_ROWS + 1):
+        x = bf16_randn(rows, 96, gen=gen)
+        unfused = fused.silu_and_mul(F.linear(x, reference.gate_up_proj.weight))
+        assert torch.equal(gate_up.silu_and_mul(x, fused), unfused) or rows > BF16_DOT_MAX_ROWS
+        torch.testing.assert_close(gate_up.silu_and_mul(x, fused).float(), unfused.float(), rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(
+            gate_up(x).float(), F.linear(x, reference.gate_up_proj.weight).float(), rtol=2**-7, atol=1e-2
+        )
+        torch.testing.assert_close(mlp(x, fused).float(), reference(x, fused).float(), rtol=2**-7, atol=2e-2)
+    # Not a gate/up pair: keeps its ordinary pairs.
+    assert mlp.down_proj._pairs is not None and mlp.down_proj._gate_up_pairs is None

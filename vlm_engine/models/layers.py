@@ -163,7 +163,10 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
         if fused is not None:
-            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
+            gate_up = self.gate_up_proj
+            if hasattr(gate_up, "silu_and_mul"):  # a PackedLinear: the activation in its kernel where it can
+                return self.down_proj(gate_up.silu_and_mul(x, fused))
+            return self.down_proj(fused.silu_and_mul(gate_up(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 

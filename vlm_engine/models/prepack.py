@@ -41,6 +41,7 @@ import logging
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.cpu_isa import onednn_bf16_packing
@@ -87,6 +88,7 @@ class PackedLinear(nn.Module):
         panel_ops: ModuleType | None = None,
         bf16_weights: bool = False,
         dot_ops: ModuleType | None = None,
+        gate_up: bool = False,
     ) -> None:
         super().__init__()
         self.in_features = linear.in_features
@@ -100,10 +102,15 @@ class PackedLinear(nn.Module):
         stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
         # bf16 on the dot kernel: its pairs replace the panels.
         self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
-        self._pairs = None if self._dot_ops is None else self._dot_ops.pack_pairs(weight.contiguous())
+        # A gate/up projection (`gate_up`: gate rows, then as many up rows) whose output only feeds
+        # silu(gate) * up keeps its pairs in the order of the kernel that applies that activation
+        # in registers (`silu_and_mul`); a plain call on it then takes oneDNN at every size.
+        gated = self._dot_ops is not None and gate_up and self.bias is None and self.out_features % 16 == 0
+        self._gate_up_pairs = self._dot_ops.pack_gate_up(weight.contiguous()) if gated else None
+        self._pairs = None if self._dot_ops is None or gated else self._dot_ops.pack_pairs(weight.contiguous())
         # The dot kernel adds the bias in fp32: converted once here, not on every call.
         self._dot_bias = None if self._pairs is None or self.bias is None else self.bias.float()
-        self._panels = None if panel_ops is None or self._pairs is not None else panel_ops.pack_panels(stored)
+        self._panels = None if panel_ops is None or self._dot_ops is not None else panel_ops.pack_panels(stored)
         # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
         self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
         if self._panels is not None and self._panel_max_rows is None:
@@ -131,8 +138,23 @@ class PackedLinear(nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return out.view(*lead, self.out_features)
 
+    def silu_and_mul(self, x: torch.Tensor, fused: ModuleType) -> torch.Tensor:
+        """silu(gate) * up of this gate/up projection's output ([..., 2I] -> [..., I]): in one
+        kernel where it holds gate/up pairs and the rows fit the dot kernel, else the projection
+        and then `fused.silu_and_mul`."""
+        if self._gate_up_pairs is not None:
+            assert self._dot_ops is not None
+            flat = x.reshape(-1, self.in_features)
+            if 0 < flat.shape[0] <= BF16_DOT_MAX_ROWS:
+                inter = self.out_features // 2
+                out = self._dot_ops.dot_silu_mul(flat.contiguous(), self._gate_up_pairs, inter)
+                return out.view(*x.shape[:-1], inter)
+        return fused.silu_and_mul(self(x))
+
     def extra_repr(self) -> str:
-        if self._pairs is not None:
+        if self._gate_up_pairs is not None:
+            layout = f"bf16 dot pairs with silu(gate) * up up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+        elif self._pairs is not None:
             layout = f"bf16 dot pairs up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
         elif self._panels is None:
             layout = "oneDNN"
@@ -165,7 +187,10 @@ def prepack_linears(
     dtypes: set[torch.dtype] = set()
     for parent, name, child in linears:
         dtypes.add(child.weight.dtype)
-        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops))
+        # A MergedLinear of exactly gate_proj then up_proj (GatedMLP's): its output only feeds
+        # silu(gate) * up, which GatedMLP asks of it through `silu_and_mul`.
+        gate_up = tuple(getattr(child, "shards", ())) == ("gate_proj", "up_proj")
+        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
     for dtype in dtypes:
         _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)
     kernel_names = {
@@ -200,3 +225,14 @@ def _check_close_to_plain_linear(
         got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
             raise RuntimeError(f"packed {dtype} linear ({packed.extra_repr()}) disagrees with F.linear at {rows} rows")
+    if dot_ops is not None and dtype == torch.bfloat16:
+        plain = nn.Linear(96, 48, bias=False, dtype=dtype).requires_grad_(False)  # gate 24, up 24
+        with torch.no_grad():
+            plain.weight.copy_(linear.weight)
+        gated = PackedLinear(plain, dot_ops=dot_ops, gate_up=True)
+        for rows in (1, 5, 70):
+            x = torch.randn(rows, 96, generator=gen).to(dtype)
+            gate, up = plain(x).float().split(24, dim=-1)
+            got, want = gated.silu_and_mul(x, fused=None).float(), F.silu(gate) * up  # type: ignore[arg-type]
+            if not torch.allclose(got, want, rtol=tol, atol=tol):
+                raise RuntimeError(f"the bf16 dot kernel's silu(gate) * up disagrees with F.silu at {rows} rows")

@@ -17,14 +17,20 @@
 // A tile is MR rows x NP panels of fp32 accumulators held in registers over the whole K loop, so
 // every output is one chain of dot products over k whatever the batch: rows do not depend on M.
 // The sum is rounded to bf16 once, after the bias is added in fp32, as oneDNN's kernel does.
+// A gate/up projection can instead be packed with 8 gate and their 8 up columns per panel
+// (pack_gate_up), and dot_silu_mul writes silu(gate) * up from the registers: the MLP's [T, 2I]
+// intermediate is never stored, and the separate SiLU-and-mul pass (1.2 ms of a ~42 ms SmolLM2
+// decode step at batch 64) is gone.
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -91,10 +97,49 @@ struct PrefetchStream {
   }
 };
 
+// x rounded to bf16 (nearest even) and widened back.
+inline __m512 round_bf16(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+}
+
+// silu(g) * u on the low 8 lanes of each of a and b (gate columns) and their high 8 lanes (the
+// matching up columns): 16 products, a's 8 then b's. Rounded to bf16 where Transformers' bf16 MLP
+// materialises a tensor (the two projections, the activation, the product), as the unfused path
+// (this kernel's linear, then fused_ops' silu_and_mul) rounds them: near-tied greedy tokens of
+// real models flipped with one rounding of the fp32 sums instead.
+inline __m256i silu_gate_16(__m512 a, __m512 b) {
+  const __m512 g = round_bf16(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
+  const __m512 u = round_bf16(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  // sigmoid(g) = 1 / (1 + 2^(-g log2 e)), the power clamped so that it stays finite and normal.
+  const __m512 t = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(g, _mm512_set1_ps(-1.4426950408889634f)),
+                                               _mm512_set1_ps(-126.f)),
+                                 _mm512_set1_ps(126.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);  // 2^f on [-0.5, 0.5], degree 6 (rel. error ~2e-7)
+  __m512 e = _mm512_set1_ps(1.5403530393381606e-04f);
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.3333558146428443e-03f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(9.6181291076284770e-03f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(5.5504108664821580e-02f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(2.4022650695910071e-01f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(6.9314718055994531e-01f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f));
+  e = _mm512_scalef_ps(e, n);
+  const __m512 silu = round_bf16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(silu, u));
+}
+
+// What a tile writes: the linear's outputs (plus bias), or, for a gate/up projection packed by
+// pack_gate_up, silu(gate) * up: each panel holds 8 gate columns and their 8 up columns.
+enum class Epilogue { kLinear, kSiluGate };
+
+// Outputs per panel for each epilogue.
+template <Epilogue E>
+constexpr int64_t kPanelOut = E == Epilogue::kLinear ? kPanel : kPanel / 2;
+
 // MR rows of x (row stride xs, in bf16 elements) times NP panels (`ps` elements apart) over all
-// `pairs` input pairs; writes MR x ncols bf16 outputs (row stride ys) with the bias (fp32 or null)
-// added before the one rounding.
-template <int MR, int NP>
+// `pairs` input pairs; writes MR x ncols bf16 outputs (row stride ys): with kLinear the bias (fp32
+// or null) added before the one rounding, with kSiluGate silu(gate) * up (ncols a multiple of 8).
+template <int MR, int NP, Epilogue E>
 inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t ps, int64_t pairs, const float* bias,
                      uint16_t* y, int64_t ys, int64_t ncols, PrefetchStream& pf) {
   __m512 acc[MR][NP];
@@ -111,6 +156,17 @@ inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t p
     }
     pf.step();
   }
+  if constexpr (E == Epilogue::kSiluGate) {
+    int j = 0;
+    for (; j + 1 < NP && (j + 1) * 8 < ncols; j += 2)
+      for (int r = 0; r < MR; ++r)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ys + j * 8), silu_gate_16(acc[r][j], acc[r][j + 1]));
+    if (j < NP && j * 8 < ncols)
+      for (int r = 0; r < MR; ++r)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(y + r * ys + j * 8),
+                         _mm256_castsi256_si128(silu_gate_16(acc[r][j], acc[r][j])));
+    return;
+  }
   for (int j = 0; j < NP; ++j) {
     const int64_t c0 = j * kPanel;
     if (c0 >= ncols) break;
@@ -126,7 +182,7 @@ inline void dot_tile(const uint16_t* x, int64_t xs, const uint16_t* w, int64_t p
 constexpr int kTileRows = 8;   // MR: 8 rows x 3 panels = 24 accumulators of the 32 vector registers
 constexpr int kTilePanels = 3;
 
-template <int NP>
+template <int NP, Epilogue E>
 inline void dot_rows(const uint16_t* x, int64_t xs, int64_t m, const uint16_t* w, int64_t ps, int64_t pairs,
                      const float* bias, uint16_t* y, int64_t ys, int64_t ncols, const uint16_t* next, int64_t next_lines) {
   const int64_t blocks = (m + kTileRows - 1) / kTileRows;
@@ -138,40 +194,110 @@ inline void dot_rows(const uint16_t* x, int64_t xs, int64_t m, const uint16_t* w
     const uint16_t* xr = x + r * xs;
     uint16_t* yr = y + r * ys;
     switch (std::min<int64_t>(kTileRows, m - r)) {
-      case 8: dot_tile<8, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 7: dot_tile<7, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 6: dot_tile<6, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 5: dot_tile<5, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 4: dot_tile<4, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 3: dot_tile<3, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      case 2: dot_tile<2, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
-      default: dot_tile<1, NP>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 8: dot_tile<8, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 7: dot_tile<7, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 6: dot_tile<6, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 5: dot_tile<5, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 4: dot_tile<4, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 3: dot_tile<3, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      case 2: dot_tile<2, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
+      default: dot_tile<1, NP, E>(xr, xs, w, ps, pairs, bias, yr, ys, ncols, pf); break;
     }
   }
 }
 
-// x [m, 2*pairs] (row stride xs) times the panels into y [m, n].
-void dot_product(const uint16_t* x, int64_t xs, int64_t m, const uint16_t* wp, int64_t panels, int64_t pairs,
-                 const float* bias, uint16_t* y, int64_t n) {
-  const int64_t ps = pairs * kPairRow;  // elements per panel
-  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t p0 = g * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
-      const int64_t c0 = p0 * kPanel, ncols = std::min<int64_t>(np * kPanel, n - c0);
-      const uint16_t* w = wp + p0 * ps;
-      // The next group of this thread is contiguous with this one: prefetch it while this one runs.
-      const int64_t next_np = g + 1 < end ? std::min<int64_t>(kTilePanels, panels - p0 - np) : 0;
-      const uint16_t* next = next_np ? w + np * ps : nullptr;
-      const int64_t next_lines = next_np * ps * 2 / kLineBytes;
-      const float* b = bias ? bias + c0 : nullptr;
-      switch (np) {
-        case 3: dot_rows<3>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, next, next_lines); break;
-        case 2: dot_rows<2>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, next, next_lines); break;
-        default: dot_rows<1>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, next, next_lines); break;
+// Column groups are split into one contiguous range per thread. A thread runs its own range
+// from the front, prefetching the group after the one it multiplies; when it is done it takes
+// groups from the back of the range with the most left. A static split left each thread idle ~5%
+// of the kernel's time at decode batch 64 (SmolLM2, 2-core Zen 5): in a VM the two cores do not
+// run at the same speed from one product to the next.
+class GroupRanges {
+ public:
+  GroupRanges(int64_t groups, int64_t parts) : slots_(parts) {
+    for (int64_t t = 0; t < parts; ++t) slots_[t].range.store(pack(groups * t / parts, groups * (t + 1) / parts));
+  }
+  int64_t parts() const { return static_cast<int64_t>(slots_.size()); }
+
+  // The next group of range t from its front (-1 when empty); `next` is the one after it, if any.
+  int64_t take_front(int64_t t, int64_t& next) {
+    auto& r = slots_[t].range;
+    uint64_t v = r.load(std::memory_order_relaxed);
+    while (front(v) < back(v)) {
+      if (r.compare_exchange_weak(v, pack(front(v) + 1, back(v)), std::memory_order_relaxed)) {
+        next = front(v) + 1 < back(v) ? front(v) + 1 : -1;
+        return front(v);
       }
     }
-  });
+    return -1;
+  }
+
+  // A group from the back of the range with the most left (-1 when all are empty); `next` is the
+  // one before it, if any.
+  int64_t steal(int64_t& next) {
+    while (true) {
+      int64_t victim = -1, most = 0;
+      for (int64_t t = 0; t < parts(); ++t) {
+        const uint64_t v = slots_[t].range.load(std::memory_order_relaxed);
+        if (back(v) - front(v) > most) {
+          most = back(v) - front(v);
+          victim = t;
+        }
+      }
+      if (victim < 0) return -1;
+      auto& r = slots_[victim].range;
+      uint64_t v = r.load(std::memory_order_relaxed);
+      if (front(v) < back(v) && r.compare_exchange_weak(v, pack(front(v), back(v) - 1), std::memory_order_relaxed)) {
+        next = back(v) - 2 >= front(v) ? back(v) - 2 : -1;
+        return back(v) - 1;
+      }
+    }
+  }
+
+ private:
+  struct alignas(64) Slot {  // one cache line each: the owner and a thief touch only theirs
+    std::atomic<uint64_t> range{0};
+  };
+  static uint64_t pack(int64_t f, int64_t b) { return (uint64_t(f) << 32) | uint64_t(b); }
+  static int64_t front(uint64_t v) { return int64_t(v >> 32); }
+  static int64_t back(uint64_t v) { return int64_t(v & 0xFFFFFFFFu); }
+  std::vector<Slot> slots_;
+};
+
+// x [m, 2*pairs] (row stride xs) times the panels into y [m, n] (n outputs: columns, or with
+// kSiluGate gated products).
+template <Epilogue E>
+void dot_product(const uint16_t* x, int64_t xs, int64_t m, const uint16_t* wp, int64_t panels, int64_t pairs,
+                 const float* bias, uint16_t* y, int64_t n) {
+  constexpr int64_t kOut = kPanelOut<E>;
+  const int64_t ps = pairs * kPairRow;  // elements per panel
+  const int64_t groups = (panels + kTilePanels - 1) / kTilePanels;
+  // Group g, prefetching group `next` (-1: none) while it multiplies.
+  auto run_group = [&](int64_t g, int64_t next) {
+    const int64_t p0 = g * kTilePanels, np = std::min<int64_t>(kTilePanels, panels - p0);
+    const int64_t c0 = p0 * kOut, ncols = std::min<int64_t>(np * kOut, n - c0);
+    const uint16_t* w = wp + p0 * ps;
+    const int64_t next_np = next >= 0 ? std::min<int64_t>(kTilePanels, panels - next * kTilePanels) : 0;
+    const uint16_t* nw = next_np ? wp + next * kTilePanels * ps : nullptr;
+    const int64_t next_lines = next_np * ps * 2 / kLineBytes;
+    const float* b = bias ? bias + c0 : nullptr;
+    switch (np) {
+      case 3: dot_rows<3, E>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, nw, next_lines); break;
+      case 2: dot_rows<2, E>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, nw, next_lines); break;
+      default: dot_rows<1, E>(x, xs, m, w, ps, pairs, b, y + c0, n, ncols, nw, next_lines); break;
+    }
+  };
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), groups);
+  GroupRanges ranges(groups, std::max<int64_t>(threads, 1));
+  auto work = [&](int64_t begin, int64_t end) {
+    int64_t next = -1;
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t g = ranges.take_front(t, next); g >= 0; g = ranges.take_front(t, next)) run_group(g, next);
+    for (int64_t g = ranges.steal(next); g >= 0; g = ranges.steal(next)) run_group(g, next);
+  };
+  if (ranges.parts() > 1)
+    at::parallel_for(0, ranges.parts(), 1, work);
+  else
+    work(0, 1);
 }
 
 #endif  // VLM_BF16_DOT
@@ -196,8 +322,38 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   // An odd K reads one pair past the row: give x a zero column so that pair is (x, 0).
   at::Tensor xin = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
 #if VLM_BF16_DOT
-  dot_product(bits(xin), xin.stride(0), m, bits(packed), panels, pairs,
-              bias32.defined() ? bias32.data_ptr<float>() : nullptr, bits_mut(y), n);
+  dot_product<Epilogue::kLinear>(bits(xin), xin.stride(0), m, bits(packed), panels, pairs,
+                                 bias32.defined() ? bias32.data_ptr<float>() : nullptr, bits_mut(y), n);
+#endif
+  return y;
+}
+
+// A gate/up projection [2I, K] (gate rows, then up rows; I a multiple of 8) -> pairs whose panel p
+// holds gate columns 8p..8p+7 and then the same up columns, for dot_silu_mul.
+at::Tensor pack_gate_up(const at::Tensor& w) {
+  check_bf16_matrix(w, "w");
+  const int64_t inter = w.size(0) / 2, k = w.size(1);
+  TORCH_CHECK(w.size(0) % 16 == 0, "the gate/up weight needs 2I rows with I a multiple of 8");
+  return pack_pairs(w.reshape({2, inter / 8, 8, k}).permute({1, 0, 2, 3}).reshape({2 * inter, k}).contiguous());
+}
+
+// silu(x W_gate^T) * (x W_up^T) [m, I] in one pass over pack_gate_up's pairs: the MLP's
+// activation is applied to the fp32 sums in registers, and only the [m, I] product is written.
+at::Tensor dot_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inter) {
+  TORCH_CHECK(VLM_BF16_DOT, "this build has no AVX-512 BF16: use another linear");
+  check_bf16_matrix(x, "x");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == kPairRow &&
+                  packed.is_contiguous(),
+              "packed must come from pack_gate_up");
+  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(pairs == (k + 1) / 2, "x has ", k, " features, the weight ", 2 * pairs, " (padded to even)");
+  TORCH_CHECK(inter % 8 == 0 && panels * 8 == inter, "inter does not match the gate/up panels");
+  at::Tensor y = at::empty({m, inter}, x.options());
+  if (m == 0) return y;
+  at::Tensor xin = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+#if VLM_BF16_DOT
+  dot_product<Epilogue::kSiluGate>(bits(xin), xin.stride(0), m, bits(packed), panels, pairs, nullptr, bits_mut(y),
+                                   inter);
 #endif
   return y;
 }
@@ -210,6 +366,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vlm_engine bf16 linear on vdpbf16ps (AVX-512 BF16)";
   m.def("pack_pairs", &pack_pairs, py::arg("w"), py::call_guard<py::gil_scoped_release>());
   m.def("dot_linear", &dot_linear, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("pack_gate_up", &pack_gate_up, py::arg("w"), py::call_guard<py::gil_scoped_release>());
+  m.def("dot_silu_mul", &dot_silu_mul, py::arg("x"), py::arg("packed"), py::arg("inter"),
         py::call_guard<py::gil_scoped_release>());
   m.def("dot_linear_available", &dot_linear_available);
 }
