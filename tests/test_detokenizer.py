@@ -40,3 +40,19 @@ def test_stop_string_truncates_and_partial_stop_is_held_back(tiny_vlm_dir: Path)
             break
     assert hit and detok.stopped_on == "END"
     assert streamed == detok.text == TEXT[: TEXT.index("END")]
+
+
+def test_fast_decode_is_the_tokenizers_decode(tiny_vlm_dir: Path) -> None:
+    """The Rust backend's decode, taken where Transformers' wrapper adds nothing, gives the same text
+    (special tokens kept or skipped); a tokenizer that cleans up spaces keeps its own decode."""
+    from vlm_engine.detokenizer import fast_decode
+    from vlm_engine.testing.checkpoints import cached_smollm2
+
+    for tok in (tokenizer(tiny_vlm_dir), AutoTokenizer.from_pretrained(str(cached_smollm2()))):
+        decode = fast_decode(tok)
+        assert decode == tok.backend_tokenizer.decode
+        ids = tok(TEXT, add_special_tokens=False)["input_ids"] + tok.all_special_ids[:2]
+        for skip in (True, False):
+            assert decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+        tok.clean_up_tokenization_spaces = True
+        assert fast_decode(tok) == tok.decode
