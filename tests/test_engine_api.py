@@ -38,8 +38,13 @@ def test_generate_accepts_text_and_token_ids(engine: Engine) -> None:
 
 
 def test_one_sampling_params_per_prompt(engine: Engine) -> None:
-    outs = engine.generate(["a b c", "d e f"], [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
-                                                 SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)])
+    outs = engine.generate(
+        ["a b c", "d e f"],
+        [
+            SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+            SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),
+        ],
+    )
     assert [len(o.token_ids) for o in outs] == [3, 7]
     assert all(o.finish_reason == "length" for o in outs)
     with pytest.raises(ValueError):
@@ -112,8 +117,18 @@ def test_bad_input_is_rejected_without_side_effects(engine: Engine, tmp_path: Pa
     with pytest.raises(RequestRejected):
         engine.generate([list(range(3, 600))], SamplingParams(max_tokens=4))
     with pytest.raises(PromptError):
-        engine.chat([[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]])
+        engine.chat(
+            [
+                [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}
+                        ],
+                    }
+                ]
+            ]
+        )
     with pytest.raises(PromptError):
         engine.chat([[{"role": "wizard", "content": "hi"}]])
     with pytest.raises(PromptError):
@@ -128,9 +143,53 @@ def test_image_as_data_uri_equals_pil_image(engine: Engine) -> None:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    as_uri = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                           {"type": "text", "text": "What?"}]}]
+    as_uri = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "What?"}],
+        }
+    ]
     as_pil = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What?"}]}]
     greedy = SamplingParams(max_tokens=8, temperature=0)
     a, b = engine.chat([as_uri, as_pil], greedy)
     assert a.token_ids == b.token_ids
+
+
+def test_decode_inputs_equal_the_general_path(engine: Engine) -> None:
+    """The runner's decode-only input builder gives exactly the general builder's tensors, step for
+    step, for text and image prompts (Qwen2-VL's 3-axis positions after the prompt) in one batch."""
+    import torch
+
+    runner = engine.runner
+    general = runner._prepare_any
+    decode_steps = 0
+
+    def checked(chunks):
+        nonlocal decode_steps
+        fast, want = runner._prepare_decode(chunks), general(chunks)
+        if fast is not None:
+            decode_steps += 1
+            for name in ("input_ids", "positions"):
+                assert torch.equal(getattr(fast, name), getattr(want, name)), name
+            for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
+                assert torch.equal(getattr(fast.attn_meta, name), getattr(want.attn_meta, name)), name
+            assert fast.attn_meta.query_lens_host == want.attn_meta.query_lens_host
+            assert fast.attn_meta.seq_lens_host == want.attn_meta.seq_lens_host
+            assert (fast.sample_rows, fast.row_offsets) == (want.sample_rows, want.row_offsets)
+            assert fast.sample_chunks == want.sample_chunks
+        return want
+
+    runner.prepare_inputs = checked
+    try:
+        image = [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": make_image(64, 48, 3)}, {"type": "text", "text": "What?"}],
+            }
+        ]
+        text = [{"role": "user", "content": "Count to twenty, slowly."}]
+        engine.chat([image, text, image], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    finally:
+        del runner.prepare_inputs
+    assert decode_steps >= 30
+    assert_no_pages_held(engine)

@@ -189,7 +189,8 @@ def prepack_linears(
         dtypes.add(child.weight.dtype)
         # A MergedLinear of exactly gate_proj then up_proj (GatedMLP's): its output only feeds
         # silu(gate) * up, which GatedMLP asks of it through `silu_and_mul`.
-        gate_up = tuple(getattr(child, "shards", ())) == ("gate_proj", "up_proj")
+        shards = getattr(child, "shards", {})
+        gate_up = tuple(shards) == ("gate_proj", "up_proj") and shards["gate_proj"][1] == shards["up_proj"][1]
         setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
     for dtype in dtypes:
         _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)

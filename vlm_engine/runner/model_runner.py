@@ -180,6 +180,54 @@ class ModelRunner:
     # ---- inputs ----------------------------------------------------------------------------
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        return self._prepare_decode(chunks) or self._prepare_any(chunks)
+
+    def _prepare_decode(self, chunks: list[ScheduledChunk]) -> StepInputs | None:
+        """The step's inputs when every chunk is one sampling token past its prompt (a plain decode
+        step), from Python ints: the general path's per-request numpy arrays cost ~10 us a request
+        (0.8 ms of a batch-64 step). None for any other step."""
+        ps = self.page_size
+        input_ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        page_lists: list[list[int]] = []
+        for chunk in chunks:
+            request = chunk.request
+            pos = chunk.start
+            if chunk.num_tokens != 1 or chunk.draft or pos + 1 != request.num_tokens or pos < request.num_prompt_tokens:
+                return None
+            pages = request.page_ids
+            input_ids.append(request.token_ids[pos])
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            mrope = self.uses_mrope and request.prompt.mrope_positions is not None
+            positions.append(pos + request.prompt.mrope_delta if mrope else pos)  # as _positions()
+            seq_lens.append(pos + 1)
+            page_lists.append(pages)
+        n = len(chunks)
+        block_table = np.zeros((n, max(map(len, page_lists))), dtype=np.int32)
+        for i, pages in enumerate(page_lists):
+            block_table[i, : len(pages)] = pages
+        dev = self.device
+        pos_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_lens_host=[1] * n,
+            seq_lens_host=seq_lens,
+        )
+        return StepInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=pos_tensor.expand(3, n).contiguous() if self.uses_mrope else pos_tensor,
+            attn_meta=meta,
+            sample_rows=list(range(n)),
+            sample_chunks=list(chunks),
+            row_offsets=list(range(n)),
+        )
+
+    def _prepare_any(self, chunks: list[ScheduledChunk]) -> StepInputs:
         ps = self.page_size
         input_ids: list[int] = []
         slots: list[np.ndarray] = []
@@ -272,7 +320,9 @@ class ModelRunner:
                         missing.append((request, index, item))
             row_base += chunk.num_tokens
         if missing:
-            outputs = self.model.encode_media([m.pixel_values for _, _, m in missing], [m.grid_thw for _, _, m in missing])
+            outputs = self.model.encode_media(
+                [m.pixel_values for _, _, m in missing], [m.grid_thw for _, _, m in missing]
+            )
             for (request, index, item), emb in zip(missing, outputs):
                 emb = emb.to(self.dtype)
                 request.runner_state["media_embeddings"][index] = emb
