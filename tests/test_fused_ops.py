@@ -213,6 +213,14 @@ def test_forcing_the_avx2_tier_hides_the_wider_isa(monkeypatch: pytest.MonkeyPat
         assert cpu_isa.isa_tier() == "avx2" and not cpu_isa.has_native_bf16()
         assert not onednn_bf16_packing()[0] and cpu_isa.march_flag() == "-march=x86-64-v3"
         assert cpu_isa.tier_description() == "avx2 (forced by VLM_ENGINE_ISA)"
+        # The AVX2 build may if-convert FP compares (SiLU's clamp); the AVX-512 one keeps GCC's default.
+        from vlm_engine.attention.cpu_kernel import _flag_sets
+
+        assert "-fno-trapping-math" in _flag_sets()[0]
+        cpu_isa.cpu_flags.cache_clear()
+        monkeypatch.delenv(cpu_isa.ISA_ENV)
+        assert "-fno-trapping-math" not in _flag_sets()[0]
+        cpu_isa.cpu_flags.cache_clear()
         monkeypatch.setenv(cpu_isa.ISA_ENV, "avx9")
         with pytest.raises(ValueError, match="VLM_ENGINE_ISA"):
             cpu_isa.forced_isa()
@@ -289,12 +297,22 @@ def test_engine_fast_path_agrees_with_plain_bf16(tiny_vlm_dir, ops) -> None:
 
     messages = [
         [{"role": "user", "content": "Describe a quiet harbour at dawn."}],
-        [{"role": "user", "content": [{"type": "image", "image": make_image(64, 48, 1)}, {"type": "text", "text": "What is this?"}]}],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": make_image(64, 48, 1)},
+                    {"type": "text", "text": "What is this?"},
+                ],
+            }
+        ],
     ]
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
     results = []
     for fast in (True, False):
-        engine = Engine(str(tiny_vlm_dir), dtype="bfloat16", kv_cache_tokens=1024, prepack_weights=fast, fused_cpu_ops=fast)
+        engine = Engine(
+            str(tiny_vlm_dir), dtype="bfloat16", kv_cache_tokens=1024, prepack_weights=fast, fused_cpu_ops=fast
+        )
         assert (engine.runner.fused_ops is not None) == fast
         results.append(engine.chat(messages, params))
     for fast_out, plain_out in zip(*results):
