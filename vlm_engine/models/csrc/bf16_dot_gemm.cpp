@@ -302,14 +302,24 @@ void dot_product(const uint16_t* x, int64_t xs, int64_t m, const uint16_t* wp, i
 
 #endif  // VLM_BF16_DOT
 
-at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+// x [m, K] and pairs from `packer` checked against each other, for either product.
+void check_operands(const at::Tensor& x, const at::Tensor& packed, const char* packer) {
   TORCH_CHECK(VLM_BF16_DOT, "this build has no AVX-512 BF16: use another linear");
   check_bf16_matrix(x, "x");
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == kPairRow &&
                   packed.is_contiguous(),
-              "packed must come from pack_pairs");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
+              "packed must come from ", packer);
+  const int64_t k = x.size(1), pairs = packed.size(1);
   TORCH_CHECK(pairs == (k + 1) / 2, "x has ", k, " features, the weight ", 2 * pairs, " (padded to even)");
+}
+
+// x as the kernel reads it: an odd K reads one pair past the row, so x gets a zero column and that
+// pair is (x, 0).
+at::Tensor even_columns(const at::Tensor& x) { return x.size(1) % 2 ? at::constant_pad_nd(x, {0, 1}) : x; }
+
+at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, const std::optional<at::Tensor>& bias) {
+  check_operands(x, packed, "pack_pairs");
+  const int64_t m = x.size(0), panels = packed.size(0);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   // The bias is added in fp32: PackedLinear keeps an fp32 copy, so this converts nothing per call.
   at::Tensor bias32;
@@ -319,10 +329,9 @@ at::Tensor dot_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n, 
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  // An odd K reads one pair past the row: give x a zero column so that pair is (x, 0).
-  at::Tensor xin = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+  const at::Tensor xin = even_columns(x);
 #if VLM_BF16_DOT
-  dot_product<Epilogue::kLinear>(bits(xin), xin.stride(0), m, bits(packed), panels, pairs,
+  dot_product<Epilogue::kLinear>(bits(xin), xin.stride(0), m, bits(packed), panels, packed.size(1),
                                  bias32.defined() ? bias32.data_ptr<float>() : nullptr, bits_mut(y), n);
 #endif
   return y;
@@ -341,20 +350,15 @@ at::Tensor pack_gate_up(const at::Tensor& w) {
 // activation is applied to the sums in registers (rounded where the unfused path rounds, see
 // silu_gate_16), and only the [m, I] product is written.
 at::Tensor dot_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t inter) {
-  TORCH_CHECK(VLM_BF16_DOT, "this build has no AVX-512 BF16: use another linear");
-  check_bf16_matrix(x, "x");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 3 && packed.size(2) == kPairRow &&
-                  packed.is_contiguous(),
-              "packed must come from pack_gate_up");
-  const int64_t m = x.size(0), k = x.size(1), panels = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs == (k + 1) / 2, "x has ", k, " features, the weight ", 2 * pairs, " (padded to even)");
+  check_operands(x, packed, "pack_gate_up");
+  const int64_t m = x.size(0), panels = packed.size(0);
   TORCH_CHECK(inter % 8 == 0 && panels * 8 == inter, "inter does not match the gate/up panels");
   at::Tensor y = at::empty({m, inter}, x.options());
   if (m == 0) return y;
-  at::Tensor xin = k % 2 ? at::constant_pad_nd(x, {0, 1}) : x;
+  const at::Tensor xin = even_columns(x);
 #if VLM_BF16_DOT
-  dot_product<Epilogue::kSiluGate>(bits(xin), xin.stride(0), m, bits(packed), panels, pairs, nullptr, bits_mut(y),
-                                   inter);
+  dot_product<Epilogue::kSiluGate>(bits(xin), xin.stride(0), m, bits(packed), panels, packed.size(1), nullptr,
+                                   bits_mut(y), inter);
 #endif
   return y;
 }
