@@ -87,8 +87,13 @@ def test_argmax_rows_matches_torch_argmax(ops) -> None:
     assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
     wide = torch.randn(4, 1200, generator=g)[:, :1100]  # rows further apart than the vocab
     assert torch.equal(ops.argmax_rows(wide), wide.argmax(dim=-1))
-    with pytest.raises(RuntimeError):
-        ops.argmax_rows(logits.to(BF16))
+    # bf16 logits as they come from the LM head: the argmax of their exact fp32 widening.
+    half = logits.to(BF16)
+    half[7, [20, 400]] = 3.0  # equal after rounding: the first wins
+    assert torch.equal(ops.argmax_rows(half), half.float().argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(half), half.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.argmax_rows(logits.half())
 
 
 def test_ops_reject_other_and_mixed_dtypes(ops) -> None:

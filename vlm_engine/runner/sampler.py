@@ -21,7 +21,7 @@ ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def sample(
-    logits: torch.Tensor,  # [B, V] float32
+    logits: torch.Tensor,  # [B, V] float32 or the model's bf16 (converted per row where fp32 is needed)
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     argmax: ArgmaxFn | None = None,  # row argmax with torch.argmax's result (the C++ one is faster)
