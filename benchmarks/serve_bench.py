@@ -53,7 +53,7 @@ class BenchConfig:
     text_only: bool | None = None  # None: from model_dir's config (no vision_config -> text only)
     seed: int = 0
     server_label: str = "server"
-    dtype: str | None = None  # served dtype, for the roofline (None: the checkpoint's)
+    dtype: str | None = None  # served dtype, for the roofline (None: served_dtype's guess)
     api_key: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # WorkloadSpec fields
     # Index of the first measured request. A caller that runs one point per call passes the
@@ -93,6 +93,20 @@ def checkpoint_dtype(model_dir: str | None) -> str:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     text = config.get("text_config") or {}
     return str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32")
+
+
+def served_dtype(model_dir: str | None, ours: bool) -> str:
+    """What the server computes in with its defaults, for the roofline: the checkpoint's dtype,
+    except that our `dtype=auto` on this CPU runs float checkpoints in bf16 where it has bf16 dot
+    products and as fp32 activations on bf16 weights where it has not (registry.resolve_dtype,
+    cpu_bf16_weights). Judged against the bf16 ceiling of an AVX2 machine, which has no bf16
+    arithmetic, its steps read as thousands of percent."""
+    declared = checkpoint_dtype(model_dir)
+    if not ours or declared not in ("float32", "float16", "bfloat16"):
+        return declared
+    from vlm_engine.models.cpu_isa import has_native_bf16
+
+    return "bfloat16" if has_native_bf16() else R.BF16_WEIGHTS
 
 
 def detect_flavor(cfg: BenchConfig, model: str | None) -> str:
@@ -135,7 +149,7 @@ def point_roofline(
 ) -> dict[str, str]:
     """Roofline lines: from the server's step counters when it publishes them (ours), and from
     the client's view (TPOT p50 as the decode step at batch ~= concurrency) for any server."""
-    dtype = cfg.dtype or checkpoint_dtype(cfg.model_dir)
+    dtype = cfg.dtype or served_dtype(cfg.model_dir, ours="vlm_engine:engine_steps_total" in (after or {}))
     context = (summary.mean_prompt_tokens if math.isfinite(summary.mean_prompt_tokens) else 0.0) + (
         summary.mean_output_tokens / 2 if math.isfinite(summary.mean_output_tokens) else 0.0
     )

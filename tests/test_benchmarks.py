@@ -733,6 +733,19 @@ def test_roofline_flags_impossible_step_times() -> None:
     assert "IMPLAUSIBLE" not in R.roofline(cost, machine, 1, 0, 0.1, "float32", "client").line()
 
 
+def test_served_dtype_is_what_our_auto_runs_on_this_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import serve_bench
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"dtype": "bfloat16"}}))
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")  # an AVX2 machine: fp32 activations, bf16 weights
+    assert serve_bench.served_dtype(str(tmp_path), ours=True) == R.BF16_WEIGHTS
+    assert serve_bench.served_dtype(str(tmp_path), ours=False) == "bfloat16"  # a peer: the checkpoint's
+    monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "1")
+    assert serve_bench.served_dtype(str(tmp_path), ours=True) == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "int8"}))
+    assert serve_bench.served_dtype(str(tmp_path), ours=True) == "int8"  # not a float checkpoint: as declared
+
+
 @pytest.mark.slow
 def test_speculative_benchmark_quick(tmp_path: Path) -> None:
     pytest.importorskip("vlm_engine.server.launcher")
