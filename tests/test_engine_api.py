@@ -193,3 +193,18 @@ def test_decode_inputs_equal_the_general_path(engine: Engine) -> None:
         del runner.prepare_inputs
     assert decode_steps >= 30
     assert_no_pages_held(engine)
+
+
+def test_bf16_logits_greedy_sampling_and_logprobs(tiny_vlm_dir: Path) -> None:
+    # bf16 logits reach the sampler as they are: greedy takes the argmax of their exact fp32
+    # widening, sampling and logprobs convert their rows.
+    half = Engine(str(tiny_vlm_dir), dtype="bfloat16", kv_cache_tokens=1024, max_model_len=256)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    out = half.generate(["a small red square"], params)[0]
+    assert len(out.token_ids) == 6 and len(out.logprobs) == 6
+    for entry in out.logprobs:
+        assert entry.top_logprobs[0][0] == entry.token_id  # greedy: the most likely token
+        assert entry.logprob <= 0.0
+    sampled = half.generate(["a small red square"], SamplingParams(max_tokens=4, temperature=0.8, seed=3))[0]
+    assert 1 <= len(sampled.token_ids) <= 4
+    assert_no_pages_held(half)

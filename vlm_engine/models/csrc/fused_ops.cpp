@@ -983,7 +983,12 @@ bool quant_linear_vectorized() { return kQuantVectorized; }
 
 // Logit i of a row as fp32 (bf16 widens exactly: its bits are the top half of the fp32's).
 inline float logit_at(const float* x, int64_t i) { return x[i]; }
-inline float logit_at(const uint16_t* x, int64_t i) { return __builtin_bit_cast(float, uint32_t(x[i]) << 16); }
+inline float logit_at(const uint16_t* x, int64_t i) {
+  const uint32_t bits = uint32_t(x[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // [B, V] fp32 or bf16 -> [B] int64: the index of each row's first maximum, as torch.argmax (a NaN
 // counts as the maximum). torch's CPU argmax tracks an index per element and ran at ~0.75 ns per
