@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 import pytest
+import torch
 
 from preprocess.prompt import PromptError
 from tests.conftest import make_image
@@ -208,3 +209,11 @@ def test_bf16_logits_greedy_sampling_and_logprobs(tiny_vlm_dir: Path) -> None:
     sampled = half.generate(["a small red square"], SamplingParams(max_tokens=4, temperature=0.8, seed=3))[0]
     assert 1 <= len(sampled.token_ids) <= 4
     assert_no_pages_held(half)
+
+
+def test_float16_on_the_cpu_runs_in_bf16(tiny_vlm_dir: Path) -> None:
+    # The CPU kernels take fp32 or bf16: before, every fp16 step failed in the attention.
+    engine = Engine(str(tiny_vlm_dir), dtype="float16", kv_cache_tokens=1024, max_model_len=256)
+    assert engine.dtype == torch.bfloat16
+    out = engine.generate(["a small red square"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4

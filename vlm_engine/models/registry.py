@@ -118,7 +118,14 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
     bf16 kernels ran ~2x fp32 there); without them, in fp32, bf16 checkpoints included (SmolLM2 on
     Zen 3, AVX2: a batch-16 decode forward took 145 ms in fp32, 278 ms in bf16). bf16 output is not
     token-identical to an fp32 reference; ask for float32 to compare with one.
+
+    An explicit float16 on the CPU runs in bf16 instead, as vLLM's CPU backend does: the CPU
+    kernels (paged attention, fused ops, packed linears) take fp32 or bf16, and every fp16 step
+    failed in the attention.
     """
+    if dtype == "float16" and device.type == "cpu":
+        logger.warning("dtype float16 is not supported on the CPU: running in bfloat16")
+        return torch.bfloat16
     if dtype != "auto":
         return getattr(torch, dtype)
     text_config = getattr(config, "text_config", None) or config
