@@ -89,6 +89,9 @@ class TokenStep:
     plan: SchedulerOutput
     tokens: list[tuple[Request, list[SampledToken]]]
     stats: StepStats
+    # Requests the step aborted because their logits were not finite (NaN / inf): the rest of the
+    # batch went on.
+    nonfinite: list[Request] = field(default_factory=list)
 
 
 class StepFailed(RuntimeError):
@@ -333,6 +336,7 @@ class Engine:
             for chunk in plan.chunks:
                 if chunk.draft and chunk.request.request_id in sampled:
                     speculator.observe(chunk, len(sampled[chunk.request.request_id]))
+        nonfinite = self._abort_nonfinite(plan, self.runner.last_nonfinite)
         tokens = self._apply_tokens(plan, sampled)
         t4 = time.perf_counter()
         stats = StepStats(
@@ -340,7 +344,24 @@ class Engine:
             self.runner.last_mask_s, self.runner.last_mask_wait_s,
         )
         self.last_step = stats
-        return TokenStep(plan, tokens, stats)
+        return TokenStep(plan, tokens, stats, nonfinite)
+
+    def _abort_nonfinite(self, plan: SchedulerOutput, request_ids: list[str]) -> list[Request]:
+        """Abort the requests whose logits came out NaN or infinite (there is nothing to sample):
+        they fail alone, their pages freed, and the batch's other requests keep their tokens."""
+        if not request_ids:
+            return []
+        failed = set(request_ids)
+        aborted = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.request_id in failed and not request.status.finished:
+                logger.error(
+                    "request %s: the model's logits were not finite (NaN or inf); aborting it", request.request_id
+                )
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+                aborted.append(request)
+        return aborted
 
     def _apply_tokens(
         self, plan: SchedulerOutput, sampled: dict[str, list[SampledToken]]
@@ -398,6 +419,7 @@ class Engine:
             return []
         t0 = time.perf_counter()
         outputs = [self._on_tokens(request, tokens) for request, tokens in result.tokens]
+        outputs += [self._on_tokens(request, []) for request in result.nonfinite]  # finish_reason "abort"
         result.stats.update_s += time.perf_counter() - t0
         return outputs
 

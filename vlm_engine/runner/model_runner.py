@@ -21,7 +21,7 @@ from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCac
 from vlm_engine.cache.encoder_cache import EncoderCache
 from vlm_engine.models.layers import ForwardContext
 from vlm_engine.models.llama import head_dim_of
-from vlm_engine.runner.sampler import SampledToken, sample, token_logprobs
+from vlm_engine.runner.sampler import SampledToken, finite_rows, sample, token_logprobs
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from vlm_engine.speculative.verify import verify_greedy, verify_sampled
@@ -91,12 +91,16 @@ class ModelRunner:
         self.last_prepare_s = 0.0
         self.last_mask_s = 0.0  # host time the last step spent building grammar masks
         self.last_mask_wait_s = 0.0  # of that, how long the step waited for it after the forward
+        # Requests of the last step whose logits were not finite (NaN / inf): no token, failed alone.
+        self.last_nonfinite: list[str] = []
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """Run the step; returns the new tokens of each sampling chunk's request (one, or a
-        verified draft prefix plus one when the chunk carries a draft)."""
+        verified draft prefix plus one when the chunk carries a draft). A request whose logits
+        were not finite gets none and is listed in `last_nonfinite`."""
         t0 = time.perf_counter()
+        self.last_nonfinite = []
         inputs = self.prepare_inputs(out.chunks)
         self.last_prepare_s = time.perf_counter() - t0  # host-side input building (benchmarks read it)
         masks = self._start_masks(inputs)
@@ -136,12 +140,21 @@ class ModelRunner:
             requests = [chunks[i].request for i in plain]
             rows = logits if len(plain) == len(logits) else logits[[offsets[i] for i in plain]]
             tokens = sample(rows, [r.sampling for r in requests], [self.generator(r) for r in requests], self._argmax)
-            results.update((r.request_id, [t]) for r, t in zip(requests, tokens))
+            for request, token in zip(requests, tokens):
+                if token is None:
+                    self.last_nonfinite.append(request.request_id)
+                else:
+                    results[request.request_id] = [token]
         drafted = [i for i, c in enumerate(chunks) if c.draft]
         if drafted:
-            argmax = (self._argmax(logits) if self._argmax is not None else logits.argmax(dim=-1)).tolist()
+            best = self._argmax(logits) if self._argmax is not None else logits.argmax(dim=-1)
+            finite, argmax = finite_rows(logits, best), best.tolist()
             for i in drafted:
-                results[chunks[i].request.request_id] = self._verify(chunks[i], logits, argmax, offsets[i])
+                chunk = chunks[i]
+                if not all(finite[offsets[i] : offsets[i] + len(chunk.draft) + 1]):
+                    self.last_nonfinite.append(chunk.request.request_id)
+                    continue
+                results[chunk.request.request_id] = self._verify(chunk, logits, argmax, offsets[i])
         return results
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, argmax: list[int], row: int) -> list[SampledToken]:

@@ -25,28 +25,30 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     argmax: ArgmaxFn | None = None,  # row argmax with torch.argmax's result (the C++ one is faster)
-) -> list[SampledToken]:
-    tokens = _choose(logits, params, generators, argmax)
-    results = [SampledToken(t) for t in tokens]
+) -> list[SampledToken | None]:
+    """A token per row, or None for a row whose logits are not finite: there is no distribution to
+    draw from or score, and the caller fails that request alone instead of the batch."""
+    best = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
+    finite = finite_rows(logits, best)
+    tokens = best.tolist()  # one host sync for the whole batch
+    results: list[SampledToken | None] = []
     for i, p in enumerate(params):
+        if not finite[i]:
+            results.append(None)
+            continue
+        token = tokens[i] if p.greedy else _sample_row(logits[i].float(), p, generators[i])
         if p.logprobs is not None:
-            results[i] = token_logprobs(logits[i : i + 1], [tokens[i]], p.logprobs)[0]
+            results.append(token_logprobs(logits[i : i + 1], [token], p.logprobs)[0])
+        else:
+            results.append(SampledToken(token))
     return results
 
 
-def _choose(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    argmax: ArgmaxFn | None,
-) -> list[int]:
-    # One host sync for the whole batch.
-    tokens = (argmax(logits) if argmax is not None else logits.argmax(dim=-1)).tolist()
-    for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        tokens[i] = _sample_row(logits[i].float(), p, generators[i])
-    return tokens
+def finite_rows(logits: torch.Tensor, best: torch.Tensor) -> list[bool]:
+    """Whether each row's logits are usable, from its argmax alone: the argmax is a NaN whenever the
+    row holds one (torch's semantics, which argmax_rows keeps), +inf if any is, and -inf only when
+    all are; a finite maximum leaves a finite softmax. B values read, not B x V."""
+    return torch.isfinite(logits.gather(1, best.view(-1, 1))).view(-1).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

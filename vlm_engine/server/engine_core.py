@@ -218,6 +218,16 @@ class EngineCore:
             return
         plan = step.plan
         t0 = time.perf_counter()
+        for request in step.nonfinite:  # aborted by the engine, pages freed; the batch went on
+            self._pending.errors.append(
+                ipc.RequestError(
+                    request.request_id,
+                    500,
+                    "the model's logits for this request were not finite (NaN or inf); it was stopped",
+                    type="server_error",
+                )
+            )
+            self._dirty = True
         outputs = self._pending.outputs
         for request, tokens in step.tokens:
             finished = request.status.finished
