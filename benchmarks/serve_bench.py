@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run by path
@@ -102,11 +103,15 @@ def served_dtype(model_dir: str | None, ours: bool) -> str:
     cpu_bf16_weights). Judged against the bf16 ceiling of an AVX2 machine, which has no bf16
     arithmetic, its steps read as thousands of percent."""
     declared = checkpoint_dtype(model_dir)
-    if not ours or declared not in ("float32", "float16", "bfloat16"):
+    if not ours:
         return declared
-    from vlm_engine.models.cpu_isa import has_native_bf16
+    import torch
 
-    return "bfloat16" if has_native_bf16() else R.BF16_WEIGHTS
+    from vlm_engine.models.registry import cpu_bf16_weights, resolve_dtype
+
+    cpu = torch.device("cpu")
+    dtype = resolve_dtype("auto", SimpleNamespace(dtype=declared), cpu, is_gguf=False)
+    return R.BF16_WEIGHTS if cpu_bf16_weights("auto", dtype, cpu) else str(dtype).replace("torch.", "")
 
 
 def detect_flavor(cfg: BenchConfig, model: str | None) -> str:

@@ -21,7 +21,7 @@ from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCac
 from vlm_engine.cache.encoder_cache import EncoderCache
 from vlm_engine.models.layers import ForwardContext
 from vlm_engine.models.llama import head_dim_of
-from vlm_engine.runner.sampler import SampledToken, finite_rows, sample, token_logprobs
+from vlm_engine.runner.sampler import SampledToken, batch_argmax, sample, token_logprobs
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from vlm_engine.speculative.verify import verify_greedy, verify_sampled
@@ -147,8 +147,7 @@ class ModelRunner:
                     results[request.request_id] = [token]
         drafted = [i for i, c in enumerate(chunks) if c.draft]
         if drafted:
-            best = self._argmax(logits) if self._argmax is not None else logits.argmax(dim=-1)
-            finite, argmax = finite_rows(logits, best), best.tolist()
+            argmax, finite = batch_argmax(logits, self._argmax)
             for i in drafted:
                 chunk = chunks[i]
                 if not all(finite[offsets[i] : offsets[i] + len(chunk.draft) + 1]):

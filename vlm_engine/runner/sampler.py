@@ -28,9 +28,7 @@ def sample(
 ) -> list[SampledToken | None]:
     """A token per row, or None for a row whose logits are not finite: there is no distribution to
     draw from or score, and the caller fails that request alone instead of the batch."""
-    best = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
-    finite = finite_rows(logits, best)
-    tokens = best.tolist()  # one host sync for the whole batch
+    tokens, finite = batch_argmax(logits, argmax)
     results: list[SampledToken | None] = []
     for i, p in enumerate(params):
         if not finite[i]:
@@ -44,11 +42,13 @@ def sample(
     return results
 
 
-def finite_rows(logits: torch.Tensor, best: torch.Tensor) -> list[bool]:
-    """Whether each row's logits are usable, from its argmax alone: the argmax is a NaN whenever the
-    row holds one (torch's semantics, which argmax_rows keeps), +inf if any is, and -inf only when
-    all are; a finite maximum leaves a finite softmax. B values read, not B x V."""
-    return torch.isfinite(logits.gather(1, best.view(-1, 1))).view(-1).tolist()
+def batch_argmax(logits: torch.Tensor, argmax: ArgmaxFn | None = None) -> tuple[list[int], list[bool]]:
+    """Each row's argmax (one host sync for the batch) and whether the row's logits are usable,
+    judged from the argmax alone: it is a NaN whenever the row holds one (torch's semantics, which
+    the C++ argmax keeps), +inf if any is, and -inf only when all are; a finite maximum leaves a
+    finite softmax. B values read, not B x V."""
+    best = argmax(logits) if argmax is not None else logits.argmax(dim=-1)
+    return best.tolist(), torch.isfinite(logits.gather(1, best.view(-1, 1))).view(-1).tolist()
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
