@@ -377,6 +377,22 @@ def test_fp32_x_on_bf16_panels_is_the_fp32_product_of_the_bf16_weights(ops, n: i
         torch.testing.assert_close(got, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+def test_prefill_sized_panel_products_equal_one_sweep(ops) -> None:
+    """From 512 rows the panel kernel sweeps the panels once per ~256 rows (x stays near the
+    cores); every output must still be the sum a small call computes (same 6-row blocks)."""
+    g = torch.Generator().manual_seed(5)
+    n, k, rows = 40, 64, 1100  # 5 sweeps of 240 rows, the last one 140
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    for panels, xs, bias in (
+        (ops.pack_panels(w), x, b),
+        (ops.pack_panels(w.to(BF16)), x, None),
+        (ops.pack_panels(w.to(BF16)), x.to(BF16), b.to(BF16)),
+    ):
+        whole = ops.panel_linear(xs, panels, n, bias)
+        pieces = torch.cat([ops.panel_linear(xs[i : i + 48], panels, n, bias) for i in range(0, rows, 48)])
+        assert torch.equal(whole, pieces)
+
+
 def panel_outputs(ops: Any) -> dict[str, torch.Tensor]:
     """panel_linear on fixed inputs: fp32, bf16-weight and bf16 panels, row counts on both sides
     of every kernel switch (1-2 rows' partial chains, blocks of 6, an odd panel count per thread)."""

@@ -328,6 +328,9 @@ at::Tensor pack_panels(const at::Tensor& w) {
   return out;
 }
 
+constexpr int64_t kRowBlock = 6;       // rows per pass
+constexpr int64_t kGroupBlocks = 8;    // passes that share one chunk of panel while it is in L1
+
 // Output rows: fp32, or bf16 rounded once from the fp32 sum.
 inline void store_out(float* y, float v) { *y = v; }
 inline void store_out(uint16_t* y, float v) { *y = float_to_bits(v); }
@@ -509,8 +512,6 @@ constexpr int64_t acc_column(int64_t c) { return NP > 1 && !std::is_same_v<W, fl
 template <int NP, typename W>
 constexpr int64_t kPassInputs = std::is_same_v<W, float> ? kPanelChunk / NP : kPanelChunk;
 
-constexpr int64_t kRowBlock = 6;       // rows per pass
-constexpr int64_t kGroupBlocks = 8;    // passes that share one chunk of panel while it is in L1
 
 // All m rows of x against NP panels. Per group of up to 48 rows, chunk by chunk of inputs, every
 // 6-row block of the group: a chunk comes from memory once and serves the whole group from L1.
@@ -573,23 +574,45 @@ inline void panel_all_rows(const float* xp, int64_t xs, int64_t m, const W* w, i
 template <typename W>
 constexpr int64_t kWideMinRows = std::is_same_v<W, float> ? 1 : 3;
 
+// Rows of x per sweep over the panels, for prefill-sized products. Every panel reads all the rows
+// of its sweep, so with a 2,048-row prefill in one sweep x (12-70 MB) came from L3 or memory once
+// per panel; sweeps of ~256 rows (~1.5 MB at 1,536 inputs) stay near the cores, and the weights are
+// re-read once per sweep instead. Products of fewer than 2 x kSweepRows rows keep one sweep: a
+// short last sweep re-reads all the weights for a few rows (229 rows as 192 + 37: 0.85x).
+// Sweeps are multiples of kRowBlock * kGroupBlocks rows, so the rows fall into the same 6-row blocks
+// as in one sweep and every output is the same sum (bf16 panels chain by block size).
+constexpr int64_t kSweepRows = 256;
+
+int64_t sweep_rows(int64_t m) {
+  if (m < 2 * kSweepRows) return std::max<int64_t>(m, 1);
+  constexpr int64_t unit = kRowBlock * kGroupBlocks;
+  const int64_t sweeps = (m + kSweepRows - 1) / kSweepRows, rows = (m + sweeps - 1) / sweeps;
+  return (rows + unit - 1) / unit * unit;
+}
+
 // y [m, n] (fp32 or bf16) = x [m, k] fp32 (row stride xs) times the panels, plus bias (fp32 or null).
 template <typename W, typename O>
 void panel_product(const float* xp, int64_t xs, int64_t m, const W* wp, int64_t panels, int64_t k, int64_t n,
                    const float* bp, O* yp) {
   const int64_t per_pass = m >= kWideMinRows<W> ? kPanelsPerPass : 1;
-  at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; p += per_pass) {
-      const W* w = wp + p * k * kPanel;
-      const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(per_pass * kPanel, n - c0);
-      const float* b = bp ? bp + c0 : nullptr;
-      if (per_pass > 1 && p + per_pass <= end) {
-        panel_all_rows<kPanelsPerPass>(xp, xs, m, w, k, b, yp + c0, n, ncols);
-      } else {  // few rows, or the thread's last panel when it has an odd count
-        panel_all_rows<1>(xp, xs, m, w, k, b, yp + c0, n, std::min<int64_t>(kPanel, ncols));
+  const int64_t sweep = sweep_rows(m);
+  for (int64_t r0 = 0; r0 < m; r0 += sweep) {
+    const int64_t rows = std::min(sweep, m - r0);
+    const float* x = xp + r0 * xs;
+    O* y = yp + r0 * n;
+    at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; p += per_pass) {
+        const W* w = wp + p * k * kPanel;
+        const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(per_pass * kPanel, n - c0);
+        const float* b = bp ? bp + c0 : nullptr;
+        if (per_pass > 1 && p + per_pass <= end) {
+          panel_all_rows<kPanelsPerPass>(x, xs, rows, w, k, b, y + c0, n, ncols);
+        } else {  // few rows, or the thread's last panel when it has an odd count
+          panel_all_rows<1>(x, xs, rows, w, k, b, y + c0, n, std::min<int64_t>(kPanel, ncols));
+        }
       }
-    }
-  });
+    });
+  }
 }
 
 // x and y in x's dtype; panels in x's dtype, or bf16 under fp32 x ("bf16 weights": the fp32 model
