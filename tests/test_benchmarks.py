@@ -782,7 +782,7 @@ def test_vs_llamacpp_tables_put_each_plan_in_its_unit() -> None:
         return {"server": server, "plan": plan, "concurrency": c, "summary": summary | {"mean_prompt_tokens": 229}}
 
     text = [point(n, "textchat", 16, t, 1.0) for n, t in zip(vs_llamacpp.TEXT_NAMES, (260.0, 200.0, 130.0, 65.0))]
-    vision = [point(n, "vlm-data", 16, 20.0, r) for n, r in zip(vs_llamacpp.VISION_NAMES, (1.5, 1.0))]
+    vision = [point(n, "vlm-data", 16, 20.0, r) for n, r in zip(vs_llamacpp.VISION_NAMES, (1.5, 1.0, 1.8, 1.2))]
     plans = list(vs_llamacpp.PLANS)
     rows = vs_llamacpp.table(text + vision, "avx2", plans)
     textchat16 = next(r for r in rows if r.startswith("| textchat | 16 |"))
@@ -790,5 +790,9 @@ def test_vs_llamacpp_tables_put_each_plan_in_its_unit() -> None:
     assert not any("vlm-data" in r for r in rows)
     vrows = vs_llamacpp.vision_table(text + vision, "avx2", plans)
     data16 = next(r for r in vrows if r.startswith("| vlm-data | 16 |"))
-    assert "1.50 | 1.00 | **1.50x** | 500.0 | 500.0 | 229.0 | 229.0" in data16
+    # ours / llama.cpp F32, ours int8 / llama.cpp Q8_0
+    assert (
+        "1.50 | 1.00 | 1.80 | 1.20 | **1.50x** | **1.50x** | 500.0 | 500.0 | 500.0 | 500.0 | 229.0 / 229.0 / 229.0 / 229.0"
+        in data16
+    )
     assert all(r.count("|") == vrows[0].count("|") for r in vrows)
