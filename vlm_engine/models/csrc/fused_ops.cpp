@@ -575,10 +575,13 @@ template <typename W>
 constexpr int64_t kWideMinRows = std::is_same_v<W, float> ? 1 : 3;
 
 // Rows of x per sweep over the panels, for prefill-sized products. Every panel reads all the rows
-// of its sweep, so with a 2,048-row prefill in one sweep x (12-70 MB) came from L3 or memory once
+// of its sweep, so with a 2,048-row prefill in one sweep x (12-73 MB) came from L3 or memory once
 // per panel; sweeps of ~256 rows (~1.5 MB at 1,536 inputs) stay near the cores, and the weights are
-// re-read once per sweep instead. Products of fewer than 2 x kSweepRows rows keep one sweep: a
-// short last sweep re-reads all the weights for a few rows (229 rows as 192 + 37: 0.85x).
+// re-read once per sweep instead. Zen 3 (AVX2), 2 threads, interleaved medians, GFLOP/s one sweep
+// -> sweeps, fp32 / bf16 panels: 2,048 x 8,960 -> 1,536 99 -> 128 / 110 -> 137; 3,960 x 1,280 ->
+// 3,840 (a vision tower's) 105 -> 126 / 105 -> 131; 1,536 -> 2,048 level. Products of fewer than
+// 2 x kSweepRows rows keep one sweep: a short last sweep re-reads all the weights for a few rows
+// (229 rows as 192 + 37 measured ~0.85x).
 // Sweeps are multiples of kRowBlock * kGroupBlocks rows, so the rows fall into the same 6-row blocks
 // as in one sweep and every output is the same sum (bf16 panels chain by block size).
 constexpr int64_t kSweepRows = 256;
