@@ -512,7 +512,6 @@ constexpr int64_t acc_column(int64_t c) { return NP > 1 && !std::is_same_v<W, fl
 template <int NP, typename W>
 constexpr int64_t kPassInputs = std::is_same_v<W, float> ? kPanelChunk / NP : kPanelChunk;
 
-
 // All m rows of x against NP panels. Per group of up to 48 rows, chunk by chunk of inputs, every
 // 6-row block of the group: a chunk comes from memory once and serves the whole group from L1.
 // (Block by block over all chunks read the panel once per block, and only the first block's pass
