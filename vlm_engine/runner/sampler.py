@@ -43,7 +43,7 @@ def sample(
 
 
 def batch_argmax(logits: torch.Tensor, argmax: ArgmaxFn | None = None) -> tuple[list[int], list[bool]]:
-    """Each row's argmax (one host sync for the batch) and whether the row's logits are usable,
+    """Each row's argmax (one argmax call for the batch) and whether the row's logits are usable,
     judged from the argmax alone: it is a NaN whenever the row holds one (torch's semantics, which
     the C++ argmax keeps), +inf if any is, and -inf only when all are; a finite maximum leaves a
     finite softmax. B values read, not B x V."""
