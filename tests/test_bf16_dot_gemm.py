@@ -10,7 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
-from vlm_engine.models.prepack import BF16_DOT_MAX_ROWS, PackedLinear, prepack_linears
+from vlm_engine.models import cpu_isa
+from vlm_engine.models.prepack import (
+    BF16_DOT_MAX_ROWS,
+    BF16_DOT_MAX_ROWS_AMX,
+    PackedLinear,
+    bf16_dot_max_rows,
+    prepack_linears,
+)
 
 BF16 = torch.bfloat16
 
@@ -63,12 +70,27 @@ def test_dot_linear_rejects_mismatched_inputs() -> None:
     assert dot.dot_linear(bf16_randn(0, 64, gen=gen), pairs, 32).shape == (0, 32)
 
 
-def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above() -> None:
+AVX512_BF16 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}  # Zen 4 / Zen 5
+SAPPHIRE_RAPIDS = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows"), [(AVX512_BF16, BF16_DOT_MAX_ROWS), (SAPPHIRE_RAPIDS, BF16_DOT_MAX_ROWS_AMX)]
+)
+def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], rows: int
+) -> None:
+    """The dot kernel's last row count follows the CPU: with AMX tiles oneDNN's bf16 GEMM is the
+    faster one from a few rows on (4x at 64 rows on a Sapphire Rapids), without them from 257."""
+    monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
+    assert bf16_dot_max_rows() == rows
     gen = torch.Generator().manual_seed(5)
     linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
     packed = PackedLinear(linear, None, False, dot)
+    assert packed.dot_max_rows == rows and f"up to {rows} rows" in repr(packed)
     assert packed._pairs is not None and packed._panels is None and "dot pairs" in repr(packed)
-    small, large = bf16_randn(BF16_DOT_MAX_ROWS, 96, gen=gen), bf16_randn(BF16_DOT_MAX_ROWS + 1, 96, gen=gen)
+    small, large = bf16_randn(rows, 96, gen=gen), bf16_randn(rows + 1, 96, gen=gen)
     assert torch.equal(packed(small), dot.dot_linear(small, packed._pairs, 40, packed.bias))
     onednn = torch.ops.mkldnn._linear_pointwise(large, packed.weight, packed.bias, "none", [], "")
     assert torch.equal(packed(large), onednn)
@@ -127,10 +149,10 @@ def test_gated_mlp_takes_the_gate_up_kernel_and_stays_the_mlp() -> None:
     prepack_linears(mlp, None, False, dot)
     gate_up = mlp.gate_up_proj
     assert gate_up._gate_up_pairs is not None and gate_up._pairs is None and "silu(gate) * up" in repr(gate_up)
-    for rows in (1, 9, BF16_DOT_MAX_ROWS + 1):
+    for rows in (1, 9, gate_up.dot_max_rows + 1):
         x = bf16_randn(rows, 96, gen=gen)
         unfused = fused.silu_and_mul(F.linear(x, reference.gate_up_proj.weight))
-        assert torch.equal(gate_up.silu_and_mul(x, fused), unfused) or rows > BF16_DOT_MAX_ROWS
+        assert torch.equal(gate_up.silu_and_mul(x, fused), unfused) or rows > gate_up.dot_max_rows
         torch.testing.assert_close(gate_up.silu_and_mul(x, fused).float(), unfused.float(), rtol=2**-7, atol=1e-2)
         torch.testing.assert_close(
             gate_up(x).float(), F.linear(x, reference.gate_up_proj.weight).float(), rtol=2**-7, atol=1e-2

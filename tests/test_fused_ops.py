@@ -205,13 +205,13 @@ def test_packing_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, flags: s
 def test_forcing_the_avx2_tier_hides_the_wider_isa(monkeypatch: pytest.MonkeyPatch) -> None:
     """VLM_ENGINE_ISA=avx2 makes an AVX-512 machine answer every check as Zen 3 does (and build our
     kernels for x86-64-v3), so the AVX2 path can be tested and measured there."""
-    avx512_host = "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_bf16 avx_vnni avx512_vnni"
+    avx512_host = "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 amx_bf16 amx_tile avx_vnni avx512_vnni"
     monkeypatch.setattr("builtins.open", _fake_cpuinfo(f"flags\t\t: {avx512_host}\n"), raising=True)
     cpu_isa.cpu_flags.cache_clear()
     try:
         monkeypatch.delenv(cpu_isa.ISA_ENV, raising=False)
         monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)  # the override would answer for the flags
-        assert cpu_isa.isa_tier() == "avx512_bf16" and cpu_isa.march_flag() == "-march=native"
+        assert cpu_isa.isa_tier() == "amx_bf16" and cpu_isa.has_amx_bf16() and cpu_isa.march_flag() == "-march=native"
         cpu_isa.cpu_flags.cache_clear()
         monkeypatch.setenv(cpu_isa.ISA_ENV, "avx2")
         assert cpu_isa.cpu_flags() == {"avx2", "fma", "f16c"}
@@ -409,7 +409,7 @@ def panel_outputs(ops: Any) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    cpu_isa.forced_isa() is not None or cpu_isa.isa_tier() not in ("avx512", "avx512_bf16"),
+    cpu_isa.forced_isa() is not None or cpu_isa.isa_tier() not in ("avx512", "avx512_bf16", "amx_bf16"),
     reason="needs an AVX-512 CPU running its own tier (else both builds are the AVX2 one)",
 )
 def test_avx512_panel_kernel_gives_the_avx2_builds_bits(ops, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """What this CPU's instruction set allows the bf16 CPU path to use, read once from /proc/cpuinfo.
 
-CI and developer machines are drawn from Zen 4 (AVX-512 with bf16 dot products) and Zen 3 (AVX2
-only); every fast path asks here first and falls back to plain torch ops where it cannot run.
+CI and developer machines are drawn from Zen 4 / Zen 5 (AVX-512 with bf16 dot products), Sapphire
+Rapids (the same plus AMX tiles) and Zen 3 (AVX2 only); every fast path asks here first and falls
+back to plain torch ops where it cannot run.
 
 `VLM_ENGINE_ISA=avx2` makes a bigger CPU behave as an AVX2 + FMA one: the AVX-512 / AMX flags
 are hidden from every check here and our C++ kernels are built with `-march=x86-64-v3`, so an
@@ -64,6 +65,12 @@ def has_native_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def has_amx_bf16() -> bool:
+    """AMX tiles with bf16 (Sapphire Rapids and later): oneDNN's bf16 GEMMs run on them, several
+    times the vdpbf16ps rate once a product has more than a few rows."""
+    return has_native_bf16() and {"amx_bf16", "amx_tile"} <= cpu_flags()
+
+
 def onednn_bf16_packing() -> tuple[bool, str]:
     """Whether oneDNN can reorder bf16 weights into its blocked layout here, and why (for logs/skips)."""
     flags = cpu_flags()
@@ -75,10 +82,10 @@ def onednn_bf16_packing() -> tuple[bool, str]:
 
 
 def isa_tier() -> str:
-    """The fast-path tier this CPU gets: 'avx512_bf16', 'avx512', 'avx2' or 'baseline'."""
+    """The fast-path tier this CPU gets: 'amx_bf16', 'avx512_bf16', 'avx512', 'avx2' or 'baseline'."""
     flags = cpu_flags()
     if has_native_bf16():
-        return "avx512_bf16"
+        return "amx_bf16" if has_amx_bf16() else "avx512_bf16"
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx512"
     if {"avx2", "fma"} <= flags:

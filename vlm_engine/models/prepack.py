@@ -11,13 +11,18 @@ fp32 in registers, fp32 FMAs, one rounding to bf16; AVX2 + FMA, so it needs no b
 Such a linear keeps both layouts: twice the bf16 weight memory, for the decode that is most
 latency-bound.
 
-bf16 on a CPU with bf16 dot products (AVX-512 BF16): up to `BF16_DOT_MAX_ROWS` rows the
+bf16 on a CPU with bf16 dot products (AVX-512 BF16): up to `BF16_DOT_MAX_ROWS` rows (AMX: fewer, below) the
 vdpbf16ps kernel of `bf16_dot_gemm` runs instead of both: it prefetches the next weights while it
 multiplies, where oneDNN's kernel waits for them. All SmolLM2 linears of a step, weights cycling
 through memory, on the 2-core Zen 5, ms, oneDNN packed (panels at M <= 4) vs the dot kernel:
 M=1 7.2 vs 6.8, M=4 9.9 vs 6.4, M=16 12.7 vs 7.4, M=64 27.6 vs 21.1, M=128 and 256 level, M=512+
 oneDNN ~5-9% ahead (it keeps prefill-sized products). Two engines in one process, steps
 interleaved: batch 1 level (linears 5.0 ms a step either way), batch 16 19.9 -> 14.2 ms a step.
+With AMX (Sapphire Rapids) oneDNN's bf16 GEMM runs on tiles and the dot kernel keeps only the
+fewest rows (`bf16_dot_max_rows`): the same step's linears on a 2-core Sapphire Rapids, ms, dot
+kernel vs oneDNN (AMX): M=1 10.7 vs 14.5, M=4 12.7 vs 14.9, M=6 13.9 vs 14.8, M=8 15.3 vs 14.8,
+M=16 23.4 vs 14.9, M=64 84.3 vs 20.5, M=256 339 vs 42.6 (oneDNN streams the weights up to ~16
+rows, then computes at 0.8-1.6 TFLOP/s; the dot kernel tops out at ~200 GFLOP/s).
 GatedMLP's gate/up projection keeps its pairs in `pack_gate_up`'s order instead, and
 `PackedLinear.silu_and_mul` applies SiLU-and-mul in that kernel's epilogue (bit-identical to the
 linear and then fused_ops' op; ~1 ms of a batch-64 step: the [T, 2I] product is never written).
@@ -47,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.models.cpu_isa import onednn_bf16_packing
+from vlm_engine.models.cpu_isa import has_amx_bf16, onednn_bf16_packing
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +68,14 @@ PACK_BATCH_HINT = {torch.bfloat16: 64, torch.float32: 16}
 BF16_PANEL_MAX_ROWS = 4
 
 # bf16 linears with at most this many rows take the vdpbf16ps kernel where the CPU has it (see the
-# module docstring), more rows oneDNN's.
+# module docstring), more rows oneDNN's; on a CPU with AMX, oneDNN's from BF16_DOT_MAX_ROWS_AMX + 1.
 BF16_DOT_MAX_ROWS = 256
+BF16_DOT_MAX_ROWS_AMX = 6
+
+
+def bf16_dot_max_rows() -> int:
+    """The most rows a bf16 linear hands to the vdpbf16ps kernel on this CPU."""
+    return BF16_DOT_MAX_ROWS_AMX if has_amx_bf16() else BF16_DOT_MAX_ROWS
 
 
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -83,7 +94,7 @@ class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight lives in oneDNN's blocked layout, or (fp32 with
     `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`. bf16
     keeps oneDNN's layout and a second one for the smaller products: `dot_ops.dot_linear`'s pairs
-    (up to BF16_DOT_MAX_ROWS rows) where given, else `panel_ops`' panels (up to BF16_PANEL_MAX_ROWS)."""
+    (up to `dot_max_rows` rows) where given, else `panel_ops`' panels (up to BF16_PANEL_MAX_ROWS)."""
 
     def __init__(
         self,
@@ -105,6 +116,7 @@ class PackedLinear(nn.Module):
         stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
         # bf16 on the dot kernel: its pairs replace the panels.
         self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
+        self.dot_max_rows = bf16_dot_max_rows()
         # A gate/up projection (`gate_up`: gate rows, then as many up rows) whose output only feeds
         # silu(gate) * up keeps its pairs in the order of the kernel that applies that activation
         # in registers (`silu_and_mul`); a plain call on it then takes oneDNN at every size.
@@ -131,7 +143,7 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features).contiguous()
         if flat.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
-        if self._pairs is not None and flat.shape[0] <= BF16_DOT_MAX_ROWS:
+        if self._pairs is not None and flat.shape[0] <= self.dot_max_rows:
             assert self._dot_ops is not None
             out = self._dot_ops.dot_linear(flat, self._pairs, self.out_features, self._dot_bias)
         elif self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
@@ -148,7 +160,7 @@ class PackedLinear(nn.Module):
         if self._gate_up_pairs is not None:
             assert self._dot_ops is not None
             flat = x.reshape(-1, self.in_features)
-            if 0 < flat.shape[0] <= BF16_DOT_MAX_ROWS:
+            if 0 < flat.shape[0] <= self.dot_max_rows:
                 inter = self.out_features // 2
                 out = self._dot_ops.dot_silu_mul(flat.contiguous(), self._gate_up_pairs, inter)
                 return out.view(*x.shape[:-1], inter)
@@ -156,9 +168,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         if self._gate_up_pairs is not None:
-            layout = f"bf16 dot pairs with silu(gate) * up up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+            layout = f"bf16 dot pairs with silu(gate) * up up to {self.dot_max_rows} rows, oneDNN above"
         elif self._pairs is not None:
-            layout = f"bf16 dot pairs up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+            layout = f"bf16 dot pairs up to {self.dot_max_rows} rows, oneDNN above"
         elif self._panels is None:
             layout = "oneDNN"
         elif self._panel_max_rows is None:
@@ -179,7 +191,7 @@ def prepack_linears(
     weights are loaded before this runs, so only the matmul is needed afterwards. With `panel_ops`
     (the fused-ops extension, vectorised build) fp32 linears take the panel kernel, on bf16 panels
     with `bf16_weights`; with `dot_ops` (the bf16 dot-product extension) bf16 linears take its kernel
-    up to BF16_DOT_MAX_ROWS rows.
+    up to `bf16_dot_max_rows()` rows.
     """
     linears = [
         (parent, name, child)
@@ -199,7 +211,7 @@ def prepack_linears(
         _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)
     kernel_names = {
         torch.float32: ("bf16 weight panels" if bf16_weights else "panels") if panel_ops is not None else "oneDNN",
-        torch.bfloat16: f"bf16 dot products up to {BF16_DOT_MAX_ROWS} rows, oneDNN above"
+        torch.bfloat16: f"bf16 dot products up to {bf16_dot_max_rows()} rows, oneDNN above"
         if dot_ops is not None
         else (f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above" if panel_ops is not None else "oneDNN"),
     }
@@ -224,7 +236,7 @@ def _check_close_to_plain_linear(
     if packed.bf16_weights:
         with torch.no_grad():
             linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
-    for rows in (1, 5, 70, BF16_DOT_MAX_ROWS + 1):  # every kernel a row count can pick
+    for rows in sorted({1, 5, 70, packed.dot_max_rows + 1}):  # every kernel a row count can pick
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
@@ -234,7 +246,7 @@ def _check_close_to_plain_linear(
         with torch.no_grad():
             plain.weight.copy_(linear.weight)
         gated = PackedLinear(plain, dot_ops=dot_ops, gate_up=True)
-        for rows in (1, 5, 70):
+        for rows in (r for r in (1, 5, 70) if r <= gated.dot_max_rows):  # the kernel's epilogue only
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             gate, up = plain(x).float().split(24, dim=-1)
             got, want = gated.silu_and_mul(x, fused=None).float(), F.silu(gate) * up  # type: ignore[arg-type]
