@@ -78,6 +78,17 @@ def bf16_dot_max_rows() -> int:
     return BF16_DOT_MAX_ROWS_AMX if has_amx_bf16() else BF16_DOT_MAX_ROWS
 
 
+def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x as contiguous [T, in] rows. The decoder already passes those: no reshape, and `shaped_like`
+    no view back (~1 us each, 121 linears a step)."""
+    return (x if x.dim() == 2 else x.reshape(-1, in_features)).contiguous()
+
+
+def shaped_like(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A linear's [T, n] output in the leading shape of its input x."""
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         return False
@@ -139,8 +150,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # e.g. a vision block run in fp32 by its own code
             raise TypeError(f"PackedLinear holds {self.dtype} weights, got {x.dtype} input")
-        # The decoder passes [T, in] rows: no reshape and view back (~1 us each, 121 linears a step).
-        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).contiguous()
+        flat = as_rows(x, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         if self._pairs is not None and flat.shape[0] <= self.dot_max_rows:
@@ -151,7 +161,7 @@ class PackedLinear(nn.Module):
             out = self._panel_ops.panel_linear(flat, self._panels, self.out_features, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        return shaped_like(out, x)
 
     def silu_and_mul(self, x: torch.Tensor, fused: ModuleType) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output ([..., 2I] -> [..., I]): in one
@@ -159,11 +169,9 @@ class PackedLinear(nn.Module):
         and then `fused.silu_and_mul`."""
         if self._gate_up_pairs is not None:
             assert self._dot_ops is not None
-            flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+            flat = as_rows(x, self.in_features)
             if 0 < flat.shape[0] <= self.dot_max_rows:
-                inter = self.out_features // 2
-                out = self._dot_ops.dot_silu_mul(flat.contiguous(), self._gate_up_pairs, inter)
-                return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
+                return shaped_like(self._dot_ops.dot_silu_mul(flat, self._gate_up_pairs, self.out_features // 2), x)
         return fused.silu_and_mul(self.forward(x))
 
     def extra_repr(self) -> str:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vlm_engine.config import QUANTIZATIONS
+from vlm_engine.models.prepack import as_rows, shaped_like
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +48,11 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"QuantizedLinear takes float32 activations, got {x.dtype}")
-        flat = (x if x.dim() == 2 else x.reshape(-1, self.in_features)).contiguous()  # the decoder's rows as they are
+        flat = as_rows(x, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         out = self._ops.quant_panel_linear(flat, self.codes, self.scales, self.out_features, self.bits, self.bias)
-        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+        return shaped_like(out, x)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] fp32 weights the codes stand for."""
