@@ -148,6 +148,25 @@ def test_tiny_vlm_greedy_with_image_agrees_with_exact(tiny_pair: tuple[Engine, E
         compare_greedy_logprobs(f, e)
 
 
+
+def test_layer_plans_follow_a_replaced_linear(tiny_pair: tuple[Engine, Engine]) -> None:
+    """The fused decoder runs each layer as a closure over its kernels and weights; giving a layer
+    a new linear after a forward must rebuild that closure, not keep running the old weights."""
+    fast, _ = tiny_pair
+    ids = fast.tokenizer(FIXED_TEXT)["input_ids"]
+    attn = fast.model.model.layers[1].self_attn
+    before = prefill_logprobs(fast, ids)
+    original = attn.o_proj
+    zeroed = torch.nn.Linear(original.in_features, original.out_features, bias=False)
+    torch.nn.init.zeros_(zeroed.weight)
+    try:
+        attn.o_proj = zeroed.requires_grad_(False)  # layer 1's attention now adds nothing
+        without_attention = prefill_logprobs(fast, ids)
+    finally:
+        attn.o_proj = original
+    assert (without_attention - before).abs().max().item() > 0.1
+    assert torch.equal(prefill_logprobs(fast, ids), before)
+
 @pytest.fixture(scope="module")
 def smollm2_pair() -> tuple[Engine, Engine]:
     kwargs = {"dtype": "float32", "kv_cache_tokens": 4096}

@@ -84,7 +84,7 @@ class DecoderModel(nn.Module):
         first_norm = self.layers[0].input_layernorm
         x = fused.rms_norm(residual, first_norm.weight, first_norm.eps)
         for layer, next_norm in zip(self.layers, self._norms_after):
-            x = layer.forward_fused(x, residual, cos, sin, ctx)
+            x = layer.decode_plan(fused)(x, residual, cos, sin, ctx)
             fused.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
         return x
 

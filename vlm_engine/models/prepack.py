@@ -46,6 +46,7 @@ Sapphire Rapids forced to AVX2, fp32 vs bf16 panels: M=1 24.3 vs 14.8 ms, M=16 4
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -163,16 +164,36 @@ class PackedLinear(nn.Module):
             out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
         return shaped_like(out, x)
 
+    def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward for contiguous [T >= 1, in] rows in this layer's dtype, with the kernel that
+        needs no branch on the row count bound (the layer plans'); forward itself otherwise."""
+        if self._pairs is not None:
+            assert self._dot_ops is not None
+            dot, pairs, n, bias = self._dot_ops.dot_linear, self._pairs, self.out_features, self._dot_bias
+            max_rows, general = self.dot_max_rows, self.forward
+            return lambda x: dot(x, pairs, n, bias) if 0 < x.shape[0] <= max_rows else general(x)
+        if self._panels is not None and self._panel_max_rows is None:
+            assert self._panel_ops is not None
+            panel, panels, n, bias = self._panel_ops.panel_linear, self._panels, self.out_features, self.bias
+            return lambda x: panel(x, panels, n, bias)
+        return self.forward
+
     def silu_and_mul(self, x: torch.Tensor, fused: ModuleType) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output ([..., 2I] -> [..., I]): in one
         kernel where it holds gate/up pairs and the rows fit the dot kernel, else the projection
         and then `fused.silu_and_mul`."""
-        if self._gate_up_pairs is not None:
-            assert self._dot_ops is not None
-            flat = as_rows(x, self.in_features)
-            if 0 < flat.shape[0] <= self.dot_max_rows:
-                return shaped_like(self._dot_ops.dot_silu_mul(flat, self._gate_up_pairs, self.out_features // 2), x)
-        return fused.silu_and_mul(self.forward(x))
+        return shaped_like(self.silu_and_mul_rows_fn(fused)(as_rows(x, self.in_features)), x)
+
+    def silu_and_mul_rows_fn(self, fused: ModuleType) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`silu_and_mul` for contiguous [T >= 1, in] rows, kernel and weights bound."""
+        linear = self.rows_fn()
+        if self._gate_up_pairs is None:
+            return lambda x: fused.silu_and_mul(linear(x))
+        assert self._dot_ops is not None
+        dot_silu_mul, pairs, half, max_rows = (
+            self._dot_ops.dot_silu_mul, self._gate_up_pairs, self.out_features // 2, self.dot_max_rows
+        )
+        return lambda x: dot_silu_mul(x, pairs, half) if 0 < x.shape[0] <= max_rows else fused.silu_and_mul(linear(x))
 
     def extra_repr(self) -> str:
         if self._gate_up_pairs is not None:

@@ -18,6 +18,7 @@ it runs once per image, where compute, not weight bytes, is the cost.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -53,6 +54,13 @@ class QuantizedLinear(nn.Module):
             return x.new_empty(*x.shape[:-1], self.out_features)
         out = self._ops.quant_panel_linear(flat, self.codes, self.scales, self.out_features, self.bits, self.bias)
         return shaped_like(out, x)
+
+    def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """forward for contiguous [T >= 1, in] fp32 rows, kernel and weights bound (the layer plans')."""
+        kernel, codes, scales, n, bits, bias = (
+            self._ops.quant_panel_linear, self.codes, self.scales, self.out_features, self.bits, self.bias
+        )
+        return lambda x: kernel(x, codes, scales, n, bits, bias)
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] fp32 weights the codes stand for."""
