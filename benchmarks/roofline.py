@@ -76,6 +76,8 @@ class MachineCeilings:
     def describe(self) -> str:
         bf16_n = self.matmul_bf16_n or self.matmul_n
         bf16_size = f" ({bf16_n}^3)" if bf16_n != self.matmul_n else ""
+        if self.isa and not self.isa.endswith("_bf16"):  # a number, but not one the engine runs at
+            bf16_size += ", emulated: no bf16 dot products at this tier"
         return (
             f"machine: matmul {self.matmul_n}^3 {self.matmul_fp32_flops / 1e9:.0f} GFLOP/s fp32 ({self.fp32_kernel or '?'}), "
             f"{self.matmul_bf16_flops / 1e9:.0f} GFLOP/s bf16{bf16_size}; "

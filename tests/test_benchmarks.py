@@ -424,6 +424,9 @@ def test_matmul_size_keeps_one_call_within_budget() -> None:
     ceilings = R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048, 512)
     assert "bf16 (512^3)" in ceilings.describe()
     assert "(2048^3)" not in R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048).describe()
+    # A tier without bf16 dot products measures an emulated bf16 rate the engine never runs at.
+    assert "emulated" in R.MachineCeilings(1e9, 1e9, 3e9, 4e9, 2, "cpu", "t", 2048, 256, isa="avx2").describe()
+    assert "emulated" not in R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048, isa="avx512_bf16").describe()
 
 
 # ---- comparison table ---------------------------------------------------------------------------------
