@@ -75,6 +75,19 @@ SAPPHIRE_RAPIDS = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize(
+    ("cap", "amx"), [("", True), ("ALL", True), ("AVX512_CORE_AMX", True), ("AVX512_CORE_BF16", False), ("avx2", False)]
+)
+def test_amx_counts_only_where_onednn_may_use_it(monkeypatch: pytest.MonkeyPatch, cap: str, amx: bool) -> None:
+    """ONEDNN_MAX_CPU_ISA below AMX keeps oneDNN's bf16 GEMM off the tiles: the dot kernel then
+    keeps its Zen 4 row limit instead of handing 7+ rows to a oneDNN without AMX."""
+    monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(SAPPHIRE_RAPIDS))
+    assert cpu_isa.has_amx_bf16() is amx
+    assert bf16_dot_max_rows() == (BF16_DOT_MAX_ROWS_AMX if amx else BF16_DOT_MAX_ROWS)
+
+
+@pytest.mark.parametrize(
     ("flags", "rows"), [(AVX512_BF16, BF16_DOT_MAX_ROWS), (SAPPHIRE_RAPIDS, BF16_DOT_MAX_ROWS_AMX)]
 )
 def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above(
@@ -83,6 +96,7 @@ def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above(
     """The dot kernel's last row count follows the CPU: with AMX tiles oneDNN's bf16 GEMM is the
     faster one from a few rows on (4x at 64 rows on a Sapphire Rapids), without them from 257."""
     monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
     assert bf16_dot_max_rows() == rows
     gen = torch.Generator().manual_seed(5)

@@ -66,9 +66,16 @@ def has_native_bf16() -> bool:
 
 
 def has_amx_bf16() -> bool:
-    """AMX tiles with bf16 (Sapphire Rapids and later): oneDNN's bf16 GEMMs run on them, several
-    times the vdpbf16ps rate once a product has more than a few rows."""
-    return has_native_bf16() and {"amx_bf16", "amx_tile"} <= cpu_flags()
+    """AMX tiles with bf16 (Sapphire Rapids and later) that oneDNN may use: its bf16 GEMMs run on
+    them, several times the vdpbf16ps rate once a product has more than a few rows. An
+    `ONEDNN_MAX_CPU_ISA` below AMX (e.g. AVX512_CORE_BF16) keeps oneDNN off the tiles, and then
+    the dot kernel is again the faster one up to hundreds of rows."""
+    return has_native_bf16() and {"amx_bf16", "amx_tile"} <= cpu_flags() and not _onednn_capped_below_amx()
+
+
+def _onednn_capped_below_amx() -> bool:
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return bool(cap) and cap not in ("ALL", "DEFAULT") and "AMX" not in cap
 
 
 def onednn_bf16_packing() -> tuple[bool, str]:

@@ -232,7 +232,7 @@ def prepack_linears(
     for parent, name, child in linears:
         dtypes.add(child.weight.dtype)
         # A MergedLinear of exactly gate_proj then up_proj (GatedMLP's): its output only feeds
-        # silu(gate) * up, which GatedMLP asks of it through `silu_and_mul`.
+        # silu(gate) * up, which the layer plans ask of it (`silu_and_mul_rows_fn`).
         shards = getattr(child, "shards", {})
         gate_up = tuple(shards) == ("gate_proj", "up_proj") and shards["gate_proj"][1] == shards["up_proj"][1]
         setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
