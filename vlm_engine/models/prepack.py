@@ -147,6 +147,7 @@ class PackedLinear(nn.Module):
             # An opaque oneDNN tensor (it still reports dtype, device and the logical [out, in]
             # shape, which code such as Transformers' vision tower reads); kept out of parameters().
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT[self.dtype])
+        self._rows = self._bind_rows_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # e.g. a vision block run in fp32 by its own code
@@ -154,46 +155,52 @@ class PackedLinear(nn.Module):
         flat = as_rows(x, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        if self._pairs is not None and flat.shape[0] <= self.dot_max_rows:
-            assert self._dot_ops is not None
-            out = self._dot_ops.dot_linear(flat, self._pairs, self.out_features, self._dot_bias)
-        elif self._panels is not None and (self._panel_max_rows is None or flat.shape[0] <= self._panel_max_rows):
-            assert self._panel_ops is not None
-            out = self._panel_ops.panel_linear(flat, self._panels, self.out_features, self.bias)
-        else:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.weight, self.bias, "none", [], "")
-        return shaped_like(out, x)
+        return shaped_like(self._rows(flat), x)
 
     def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """forward for contiguous [T >= 1, in] rows in this layer's dtype, with the kernel that
-        needs no branch on the row count bound (the layer plans'); forward itself otherwise."""
+        """forward for contiguous [T >= 1, in] rows in this layer's dtype (what the layer plans call)."""
+        return self._rows
+
+    def _bind_rows_kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The product of contiguous [T >= 1, in] rows, with the kernel each row count takes and its
+        weights bound: forward's body, and the layer plans' linear."""
+        n, bias, onednn_weight = self.out_features, self.bias, self.weight
+        linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            return linear_pointwise(x, onednn_weight, bias, "none", [], "")
+
         if self._pairs is not None:
             assert self._dot_ops is not None
-            dot, pairs, n, bias = self._dot_ops.dot_linear, self._pairs, self.out_features, self._dot_bias
-            max_rows, general = self.dot_max_rows, self.forward
-            return lambda x: dot(x, pairs, n, bias) if 0 < x.shape[0] <= max_rows else general(x)
-        if self._panels is not None and self._panel_max_rows is None:
+            dot, pairs, dot_bias, dot_rows = self._dot_ops.dot_linear, self._pairs, self._dot_bias, self.dot_max_rows
+            return lambda x: dot(x, pairs, n, dot_bias) if x.shape[0] <= dot_rows else onednn(x)
+        if self._panels is not None:
             assert self._panel_ops is not None
-            panel, panels, n, bias = self._panel_ops.panel_linear, self._panels, self.out_features, self.bias
-            return lambda x: panel(x, panels, n, bias)
-        return self.forward
+            panel, panels, panel_rows = self._panel_ops.panel_linear, self._panels, self._panel_max_rows
+            if panel_rows is None:
+                return lambda x: panel(x, panels, n, bias)
+            return lambda x: panel(x, panels, n, bias) if x.shape[0] <= panel_rows else onednn(x)
+        return onednn
 
     def silu_and_mul(self, x: torch.Tensor, fused: ModuleType) -> torch.Tensor:
         """silu(gate) * up of this gate/up projection's output ([..., 2I] -> [..., I]): in one
         kernel where it holds gate/up pairs and the rows fit the dot kernel, else the projection
         and then `fused.silu_and_mul`."""
-        return shaped_like(self.silu_and_mul_rows_fn(fused)(as_rows(x, self.in_features)), x)
+        flat = as_rows(x, self.in_features)
+        if flat.shape[0] == 0:
+            return fused.silu_and_mul(self.forward(x))
+        return shaped_like(self.silu_and_mul_rows_fn(fused)(flat), x)
 
     def silu_and_mul_rows_fn(self, fused: ModuleType) -> Callable[[torch.Tensor], torch.Tensor]:
         """`silu_and_mul` for contiguous [T >= 1, in] rows, kernel and weights bound."""
-        linear = self.rows_fn()
+        linear = self._rows
         if self._gate_up_pairs is None:
             return lambda x: fused.silu_and_mul(linear(x))
         assert self._dot_ops is not None
         dot_silu_mul, pairs, half, max_rows = (
             self._dot_ops.dot_silu_mul, self._gate_up_pairs, self.out_features // 2, self.dot_max_rows
         )
-        return lambda x: dot_silu_mul(x, pairs, half) if 0 < x.shape[0] <= max_rows else fused.silu_and_mul(linear(x))
+        return lambda x: dot_silu_mul(x, pairs, half) if x.shape[0] <= max_rows else fused.silu_and_mul(linear(x))
 
     def extra_repr(self) -> str:
         if self._gate_up_pairs is not None:

@@ -45,6 +45,9 @@ class QuantizedLinear(nn.Module):
         weight = linear.weight.detach().float()
         self.codes, self.scales = ops.quantize_panels(weight, bits)
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        # The product of contiguous [T >= 1, in] rows, weights bound: forward's body, the layer plans' linear.
+        kernel, codes, scales, n, bias = ops.quant_panel_linear, self.codes, self.scales, self.out_features, self.bias
+        self._rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: kernel(x, codes, scales, n, bits, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
@@ -52,15 +55,11 @@ class QuantizedLinear(nn.Module):
         flat = as_rows(x, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
-        out = self._ops.quant_panel_linear(flat, self.codes, self.scales, self.out_features, self.bits, self.bias)
-        return shaped_like(out, x)
+        return shaped_like(self._rows(flat), x)
 
     def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
         """forward for contiguous [T >= 1, in] fp32 rows, kernel and weights bound (the layer plans')."""
-        kernel, codes, scales, n, bits, bias = (
-            self._ops.quant_panel_linear, self.codes, self.scales, self.out_features, self.bits, self.bias
-        )
-        return lambda x: kernel(x, codes, scales, n, bits, bias)
+        return self._rows
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] fp32 weights the codes stand for."""
