@@ -174,3 +174,109 @@ def test_gated_mlp_takes_the_gate_up_kernel_and_stays_the_mlp() -> None:
         torch.testing.assert_close(mlp(x, fused).float(), reference(x, fused).float(), rtol=2**-7, atol=2e-2)
     # Not a gate/up pair: keeps its ordinary pairs.
     assert mlp.down_proj._pairs is not None and mlp.down_proj._gate_up_pairs is None
+
+
+# ---- AMX tiles (the same pairs, for the rows between the dot kernel's and oneDNN's) ----------------
+
+amx = pytest.mark.skipif(dot is None or not dot.amx_available(), reason="no AMX tiles on this CPU (or its build)")
+
+
+@amx
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (49, 96), (40, 1536)])
+def test_amx_linear_is_the_fp32_product_rounded_once(n: int, k: int) -> None:
+    """N off the 32-column groups, every row-tile remainder (a zero-padded last tile) and the bias:
+    within one bf16 rounding of the fp32 product of the bf16 numbers."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, b = bf16_randn(n, k, gen=gen), bf16_randn(n, gen=gen)
+    pairs = dot.pack_pairs(w)
+    for rows in (1, 7, 16, 17, 33, 64, 70, 128):
+        x = bf16_randn(rows, k, gen=gen)
+        for bias in (b, None):
+            got = dot.amx_linear(x, pairs, n, bias)
+            want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            assert got.dtype == BF16 and got.shape == (rows, n)
+            torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-5 * k**0.5)
+
+
+@amx
+def test_amx_rows_do_not_depend_on_the_batch_and_match_onednn_at_decode_sizes() -> None:
+    """Every output is one chain over k whatever the batch; up to ~16 rows those are the bits of
+    oneDNN's own AMX GEMM (measured: its blocking changes from 64 rows), so taking our tiles instead
+    of oneDNN changes no numbers there."""
+    gen = torch.Generator().manual_seed(8)
+    w, b = bf16_randn(200, 576, gen=gen), bf16_randn(200, gen=gen)
+    pairs = dot.pack_pairs(w)
+    x = bf16_randn(100, 576, gen=gen)
+    full = dot.amx_linear(x, pairs, 200, b)
+    for lo, hi in ((0, 7), (5, 21), (3, 35), (60, 100), (1, 99)):
+        assert torch.equal(dot.amx_linear(x[lo:hi], pairs, 200, b), full[lo:hi])
+    strided = torch.cat([x, x], dim=1)[:, :576]  # a row stride other than K
+    assert torch.equal(dot.amx_linear(strided, pairs, 200, b), full)
+    onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    for rows in (7, 16, 17):
+        for bias in (None, b):
+            onednn = torch.ops.mkldnn._linear_pointwise(x[:rows], onednn_weight, bias, "none", [], "")
+            assert torch.equal(dot.amx_linear(x[:rows], pairs, 200, bias), onednn)
+
+
+@amx
+def test_amx_silu_mul_equals_the_linear_then_the_fused_op() -> None:
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    fused = load_fused_ops()
+    assert fused is not None
+    gen = torch.Generator().manual_seed(9)
+    for inter, k in ((1536, 576), (40, 96)):  # inter 40: 5 panels, a last group of one panel
+        w = (torch.randn(2 * inter, k, generator=gen) / k**0.5).to(BF16)
+        gated, plain = dot.pack_gate_up(w), dot.pack_pairs(w)
+        for rows in (7, 16, 30, 64, 70):
+            x = bf16_randn(rows, k, gen=gen)
+            assert torch.equal(dot.amx_silu_mul(x, gated, inter), fused.silu_and_mul(dot.amx_linear(x, plain, 2 * inter)))
+
+
+@amx
+def test_amx_tiles_leave_onednn_its_own() -> None:
+    """Our threads load their tile config and release the tiles; oneDNN's AMX GEMM (prefill sizes)
+    configures its own: interleaved, each still gives its own numbers."""
+    gen = torch.Generator().manual_seed(10)
+    w = bf16_randn(256, 576, gen=gen)
+    pairs, onednn_weight = dot.pack_pairs(w), torch.ops.mkldnn._reorder_linear_weight(w, 64)
+    small, large = bf16_randn(20, 576, gen=gen), bf16_randn(300, 576, gen=gen)
+    want_small = dot.amx_linear(small, pairs, 256)
+    want_large = torch.ops.mkldnn._linear_pointwise(large, onednn_weight, None, "none", [], "")
+    for _ in range(3):
+        assert torch.equal(torch.ops.mkldnn._linear_pointwise(large, onednn_weight, None, "none", [], ""), want_large)
+        assert torch.equal(dot.amx_linear(small, pairs, 256), want_small)
+
+
+@amx
+def test_amx_linear_rejects_what_its_tiles_cannot_read() -> None:
+    gen = torch.Generator().manual_seed(11)
+    pairs = dot.pack_pairs(bf16_randn(32, 80, gen=gen))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        dot.amx_linear(bf16_randn(8, 80, gen=gen), pairs, 32)
+    assert dot.amx_linear(bf16_randn(0, 80, gen=gen), pairs, 32).shape == (0, 32)
+
+
+@amx
+def test_packed_linear_takes_amx_tiles_between_the_dot_kernel_and_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this AMX CPU: the dot kernel up to its rows, our tiles to BF16_AMX_MAX_ROWS, oneDNN above;
+    a layer whose inputs a tile's 32 do not divide skips the tiles. The gate/up projection follows."""
+    from vlm_engine.models.fused_ops import load_fused_ops
+    from vlm_engine.models.prepack import BF16_AMX_MAX_ROWS
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    fused = load_fused_ops()
+    gen = torch.Generator().manual_seed(12)
+    linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
+    packed = PackedLinear(linear, None, False, dot)
+    assert packed.amx_max_rows == BF16_AMX_MAX_ROWS and f"AMX tiles up to {BF16_AMX_MAX_ROWS}" in repr(packed)
+    for rows in (packed.dot_max_rows + 1, 50, BF16_AMX_MAX_ROWS):
+        x = bf16_randn(rows, 96, gen=gen)
+        assert torch.equal(packed(x), dot.amx_linear(x, packed._pairs, 40, packed.bias))
+    x = bf16_randn(BF16_AMX_MAX_ROWS + 1, 96, gen=gen)
+    assert torch.equal(packed(x), torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], ""))
+    assert PackedLinear(nn.Linear(80, 40).to(BF16), None, False, dot).amx_max_rows == 0
+    gate_up = PackedLinear(nn.Linear(96, 48, bias=False).requires_grad_(False).to(BF16), None, False, dot, gate_up=True)
+    x = bf16_randn(30, 96, gen=gen)
+    assert torch.equal(gate_up.silu_and_mul(x, fused), dot.amx_silu_mul(x, gate_up._gate_up_pairs, 24))

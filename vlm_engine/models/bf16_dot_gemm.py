@@ -2,6 +2,8 @@
 
 `load_bf16_dot_gemm()` returns the extension module (`pack_pairs`, `dot_linear`) where this CPU has
 AVX-512 BF16 and the build has it too, else None: the prepacked linears then keep oneDNN's kernel.
+Built for an AMX CPU the module also multiplies the same pairs on AMX tiles (`amx_linear`,
+`amx_silu_mul`; `amx_available()` says whether this build and process may use them).
 """
 
 from __future__ import annotations

@@ -22,7 +22,11 @@ With AMX (Sapphire Rapids) oneDNN's bf16 GEMM runs on tiles and the dot kernel k
 fewest rows (`bf16_dot_max_rows`): the same step's linears on a 2-core Sapphire Rapids, ms, dot
 kernel vs oneDNN (AMX): M=1 10.7 vs 14.5, M=4 12.7 vs 14.9, M=6 13.9 vs 14.8, M=8 15.3 vs 14.8,
 M=16 23.4 vs 14.9, M=64 84.3 vs 20.5, M=256 339 vs 42.6 (oneDNN streams the weights up to ~16
-rows, then computes at 0.8-1.6 TFLOP/s; the dot kernel tops out at ~200 GFLOP/s).
+rows, then computes at 0.8-1.6 TFLOP/s; the dot kernel tops out at ~200 GFLOP/s). Between the two,
+from 7 to `BF16_AMX_MAX_ROWS` rows, the same pairs go through our own AMX tiles (`amx_linear`),
+which prefetch the next weights as the dot kernel does: per SmolLM2 decoder layer (its four
+linears, weights from memory) on the 2-core Sapphire Rapids, ms, oneDNN vs our tiles: M=8 0.34 vs
+0.25, M=16 0.34 vs 0.22, M=64 0.44 vs 0.36, M=128 0.61-0.65 vs 0.53-0.56, M=192 0.69 vs 0.94.
 GatedMLP's gate/up projection keeps its pairs in `pack_gate_up`'s order instead, and
 `PackedLinear.silu_and_mul` applies SiLU-and-mul in that kernel's epilogue (bit-identical to the
 linear and then fused_ops' op; ~1 ms of a batch-64 step: the [T, 2I] product is never written).
@@ -72,11 +76,22 @@ BF16_PANEL_MAX_ROWS = 4
 # module docstring), more rows oneDNN's; on a CPU with AMX, oneDNN's from BF16_DOT_MAX_ROWS_AMX + 1.
 BF16_DOT_MAX_ROWS = 256
 BF16_DOT_MAX_ROWS_AMX = 6
+# On a CPU with AMX, bf16 linears above the dot kernel's rows and up to this many take our AMX
+# tiles (`amx_linear`, the same pairs), more rows oneDNN's AMX GEMM (see the module docstring).
+BF16_AMX_MAX_ROWS = 128
 
 
 def bf16_dot_max_rows() -> int:
     """The most rows a bf16 linear hands to the vdpbf16ps kernel on this CPU."""
     return BF16_DOT_MAX_ROWS_AMX if has_amx_bf16() else BF16_DOT_MAX_ROWS
+
+
+def bf16_amx_max_rows(dot_ops: ModuleType | None, in_features: int) -> int:
+    """The most rows a bf16 linear of `in_features` inputs hands to `dot_ops`' AMX tiles: 0 unless
+    the CPU has AMX that may be used (`has_amx_bf16`), the build and the kernel let this process use
+    the tiles, and a tile's 32 inputs divide the features."""
+    usable = dot_ops is not None and has_amx_bf16() and in_features % 32 == 0 and dot_ops.amx_available()
+    return BF16_AMX_MAX_ROWS if usable else 0
 
 
 def as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -129,6 +144,7 @@ class PackedLinear(nn.Module):
         # bf16 on the dot kernel: its pairs replace the panels.
         self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
         self.dot_max_rows = bf16_dot_max_rows()
+        self.amx_max_rows = bf16_amx_max_rows(self._dot_ops, self.in_features)
         # A gate/up projection (`gate_up`: gate rows, then as many up rows) whose output only feeds
         # silu(gate) * up keeps its pairs in the order of the kernel that applies that activation
         # in registers (`silu_and_mul`); a plain call on it then takes oneDNN at every size.
@@ -173,6 +189,15 @@ class PackedLinear(nn.Module):
         if self._pairs is not None:
             assert self._dot_ops is not None
             dot, pairs, dot_bias, dot_rows = self._dot_ops.dot_linear, self._pairs, self._dot_bias, self.dot_max_rows
+            if self.amx_max_rows:
+                amx, amx_rows = self._dot_ops.amx_linear, self.amx_max_rows
+                return lambda x: (
+                    dot(x, pairs, n, dot_bias)
+                    if x.shape[0] <= dot_rows
+                    else amx(x, pairs, n, dot_bias)
+                    if x.shape[0] <= amx_rows
+                    else onednn(x)
+                )
             return lambda x: dot(x, pairs, n, dot_bias) if x.shape[0] <= dot_rows else onednn(x)
         if self._panels is not None:
             assert self._panel_ops is not None
@@ -200,13 +225,23 @@ class PackedLinear(nn.Module):
         dot_silu_mul, pairs, half, max_rows = (
             self._dot_ops.dot_silu_mul, self._gate_up_pairs, self.out_features // 2, self.dot_max_rows
         )
+        if self.amx_max_rows:
+            amx_silu_mul, amx_rows = self._dot_ops.amx_silu_mul, self.amx_max_rows
+            return lambda x: (
+                dot_silu_mul(x, pairs, half)
+                if x.shape[0] <= max_rows
+                else amx_silu_mul(x, pairs, half)
+                if x.shape[0] <= amx_rows
+                else fused.silu_and_mul(linear(x))
+            )
         return lambda x: dot_silu_mul(x, pairs, half) if x.shape[0] <= max_rows else fused.silu_and_mul(linear(x))
 
     def extra_repr(self) -> str:
+        amx = f", AMX tiles up to {self.amx_max_rows}" if self.amx_max_rows else ""
         if self._gate_up_pairs is not None:
-            layout = f"bf16 dot pairs with silu(gate) * up up to {self.dot_max_rows} rows, oneDNN above"
+            layout = f"bf16 dot pairs with silu(gate) * up up to {self.dot_max_rows} rows{amx}, oneDNN above"
         elif self._pairs is not None:
-            layout = f"bf16 dot pairs up to {self.dot_max_rows} rows, oneDNN above"
+            layout = f"bf16 dot pairs up to {self.dot_max_rows} rows{amx}, oneDNN above"
         elif self._panels is None:
             layout = "oneDNN"
         elif self._panel_max_rows is None:
@@ -245,9 +280,11 @@ def prepack_linears(
         setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
     for dtype in dtypes:
         _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)
+    amx_in_use = max((m.amx_max_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
+    amx_rows = f", AMX tiles up to {amx_in_use}" if amx_in_use else ""
     kernel_names = {
         torch.float32: ("bf16 weight panels" if bf16_weights else "panels") if panel_ops is not None else "oneDNN",
-        torch.bfloat16: f"bf16 dot products up to {bf16_dot_max_rows()} rows, oneDNN above"
+        torch.bfloat16: f"bf16 dot products up to {bf16_dot_max_rows()} rows{amx_rows}, oneDNN above"
         if dot_ops is not None
         else (f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above" if panel_ops is not None else "oneDNN"),
     }
@@ -272,7 +309,7 @@ def _check_close_to_plain_linear(
     if packed.bf16_weights:
         with torch.no_grad():
             linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
-    for rows in sorted({1, 5, 70, packed.dot_max_rows + 1}):  # every kernel a row count can pick
+    for rows in sorted({1, 5, 70, packed.dot_max_rows + 1, packed.amx_max_rows + 1}):  # every kernel rows can pick
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
@@ -282,7 +319,8 @@ def _check_close_to_plain_linear(
         with torch.no_grad():
             plain.weight.copy_(linear.weight)
         gated = PackedLinear(plain, dot_ops=dot_ops, gate_up=True)
-        for rows in (r for r in (1, 5, 70) if r <= gated.dot_max_rows):  # the kernel's epilogue only
+        # The kernels' epilogue only: the dot kernel's rows and the AMX tiles'.
+        for rows in (r for r in (1, 5, 70) if r <= max(gated.dot_max_rows, gated.amx_max_rows)):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
             gate, up = plain(x).float().split(24, dim=-1)
             got, want = gated.silu_and_mul(x, fused=None).float(), F.silu(gate) * up  # type: ignore[arg-type]
