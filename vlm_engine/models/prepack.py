@@ -189,16 +189,15 @@ class PackedLinear(nn.Module):
         if self._pairs is not None:
             assert self._dot_ops is not None
             dot, pairs, dot_bias, dot_rows = self._dot_ops.dot_linear, self._pairs, self._dot_bias, self.dot_max_rows
-            if self.amx_max_rows:
-                amx, amx_rows = self._dot_ops.amx_linear, self.amx_max_rows
-                return lambda x: (
-                    dot(x, pairs, n, dot_bias)
-                    if x.shape[0] <= dot_rows
-                    else amx(x, pairs, n, dot_bias)
-                    if x.shape[0] <= amx_rows
-                    else onednn(x)
-                )
-            return lambda x: dot(x, pairs, n, dot_bias) if x.shape[0] <= dot_rows else onednn(x)
+            # amx_max_rows 0 (no usable tiles): every row count past the dot kernel's goes to oneDNN.
+            amx, amx_rows = self._dot_ops.amx_linear, self.amx_max_rows
+            return lambda x: (
+                dot(x, pairs, n, dot_bias)
+                if x.shape[0] <= dot_rows
+                else amx(x, pairs, n, dot_bias)
+                if x.shape[0] <= amx_rows
+                else onednn(x)
+            )
         if self._panels is not None:
             assert self._panel_ops is not None
             panel, panels, panel_rows = self._panel_ops.panel_linear, self._panels, self._panel_max_rows
@@ -225,16 +224,14 @@ class PackedLinear(nn.Module):
         dot_silu_mul, pairs, half, max_rows = (
             self._dot_ops.dot_silu_mul, self._gate_up_pairs, self.out_features // 2, self.dot_max_rows
         )
-        if self.amx_max_rows:
-            amx_silu_mul, amx_rows = self._dot_ops.amx_silu_mul, self.amx_max_rows
-            return lambda x: (
-                dot_silu_mul(x, pairs, half)
-                if x.shape[0] <= max_rows
-                else amx_silu_mul(x, pairs, half)
-                if x.shape[0] <= amx_rows
-                else fused.silu_and_mul(linear(x))
-            )
-        return lambda x: dot_silu_mul(x, pairs, half) if x.shape[0] <= max_rows else fused.silu_and_mul(linear(x))
+        amx_silu_mul, amx_rows = self._dot_ops.amx_silu_mul, self.amx_max_rows
+        return lambda x: (
+            dot_silu_mul(x, pairs, half)
+            if x.shape[0] <= max_rows
+            else amx_silu_mul(x, pairs, half)
+            if x.shape[0] <= amx_rows
+            else fused.silu_and_mul(linear(x))
+        )
 
     def extra_repr(self) -> str:
         amx = f", AMX tiles up to {self.amx_max_rows}" if self.amx_max_rows else ""
