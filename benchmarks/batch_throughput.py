@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import httpx
 
 from vlm_engine.batch import BatchOptions, run_batch
-from vlm_engine.models.cpu_isa import cpu_flags
+from vlm_engine.kernels.cpu_isa import cpu_flags
 from vlm_engine.testing.checkpoints import cached_qwen2_vl
 from vlm_engine.testing.videos import pattern
 

@@ -37,7 +37,7 @@ import roofline as R
 import serve_bench as SB
 import servers
 
-from vlm_engine.models.cpu_isa import isa_tier
+from vlm_engine.kernels.cpu_isa import isa_tier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from vlm_engine.models.cpu_isa import tier_description
+from vlm_engine.kernels.cpu_isa import tier_description
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 # Per layer: fused qkv (9 query + 3 + 3 kv heads of 64), o, fused gate|up, down.
@@ -28,7 +28,7 @@ def load_ops(source: Path | None):
         from vlm_engine.models.fused_ops import load_fused_ops
 
         return load_fused_ops()
-    from vlm_engine.attention.cpu_kernel import build_extension
+    from vlm_engine.kernels.build import build_extension
 
     return build_extension(f"bench_{source.stem}", source)
 

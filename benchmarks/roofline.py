@@ -87,7 +87,7 @@ class MachineCeilings:
 
 
 def isa_tier() -> str:
-    from vlm_engine.models.cpu_isa import isa_tier as tier
+    from vlm_engine.kernels.cpu_isa import isa_tier as tier
 
     return tier()
 

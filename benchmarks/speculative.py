@@ -59,7 +59,7 @@ import client as C
 import roofline as R
 import servers
 
-from vlm_engine.models.cpu_isa import isa_tier
+from vlm_engine.kernels.cpu_isa import isa_tier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the server's embedded SmolLM2 (`vlm-engine serve --model ...`)

@@ -41,7 +41,7 @@ import numpy as np
 from PIL import Image
 
 from preprocess.video import FrameCache, VideoSampling, hf_indices, load_video
-from vlm_engine.models.cpu_isa import cpu_flags
+from vlm_engine.kernels.cpu_isa import cpu_flags
 from vlm_engine.testing.videos import make_clip
 
 FPS = 2.0

@@ -50,7 +50,7 @@ import roofline as R
 import serve_bench as SB
 import servers
 
-from vlm_engine.models.cpu_isa import cpu_flags, forced_isa, isa_tier
+from vlm_engine.kernels.cpu_isa import cpu_flags, forced_isa, isa_tier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LLAMACPP_ROOT = Path(os.environ.get("LLAMACPP_ROOT", Path.home() / "llamacpp"))

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
-from vlm_engine.models import cpu_isa
+from vlm_engine.kernels import cpu_isa
 from vlm_engine.models.prepack import (
     BF16_DOT_MAX_ROWS,
     BF16_DOT_MAX_ROWS_AMX,

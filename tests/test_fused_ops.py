@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.models import cpu_isa
-from vlm_engine.models.cpu_isa import onednn_bf16_packing
+from vlm_engine.kernels import cpu_isa
+from vlm_engine.kernels.cpu_isa import onednn_bf16_packing
 from vlm_engine.models.layers import RMSNorm, apply_rotary
 from vlm_engine.models.prepack import PackedLinear, prepack_linears, prepack_supported
 from vlm_engine.models.registry import resolve_dtype
@@ -220,7 +220,7 @@ def test_forcing_the_avx2_tier_hides_the_wider_isa(monkeypatch: pytest.MonkeyPat
         assert not onednn_bf16_packing()[0] and cpu_isa.march_flag() == "-march=x86-64-v3"
         assert cpu_isa.tier_description() == "avx2 (forced by VLM_ENGINE_ISA)"
         # The AVX2 build may if-convert FP compares (SiLU's clamp); the AVX-512 one keeps GCC's default.
-        from vlm_engine.attention.cpu_kernel import _flag_sets
+        from vlm_engine.kernels.build import _flag_sets
 
         assert "-fno-trapping-math" in _flag_sets()[0]
         cpu_isa.cpu_flags.cache_clear()

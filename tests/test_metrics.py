@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from vlm_engine import ipc
-from vlm_engine.metrics.histogram import Histogram
+from vlm_engine.histogram import Histogram
 from vlm_engine.metrics.request_log import RequestLog
 from vlm_engine.metrics.request_tracker import RequestRecord, RequestTracker
 from vlm_engine.metrics.scrape import parse_metrics

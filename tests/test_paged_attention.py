@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from vlm_engine.attention import cpu_kernel
+from vlm_engine.kernels import build
 from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
-from vlm_engine.models.cpu_isa import cpu_flags
+from vlm_engine.kernels.cpu_isa import cpu_flags
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -365,7 +366,7 @@ def test_loader_returns_callable_and_wrapper(ext):
 def test_build_failure_returns_none_with_warning(tmp_path, caplog):
     bad = tmp_path / "broken.cpp"
     bad.write_text("#error intentionally broken\n")
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.logger.name):
-        mod = cpu_kernel.build_extension(name="vlm_engine_pa_broken_test", source=bad, build_dir=tmp_path / "b")
+    with caplog.at_level(logging.WARNING, logger=build.logger.name):
+        mod = build.build_extension(name="vlm_engine_pa_broken_test", source=bad, build_dir=tmp_path / "b")
     assert mod is None
     assert any("could not build" in r.getMessage() for r in caplog.records)

@@ -26,7 +26,7 @@ from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.scheduler import Request, Scheduler, SchedulerConfig
 from vlm_engine.speculative.ngram import ngram_lookup
-from vlm_engine.speculative.verify import verify_greedy, verify_sampled
+from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.testing.checkpoints import cached_checkpoint
 from vlm_engine.testing.drafts import BIGRAM_TOKENS, bigram_distribution, write_bigram_qwen2, write_random_llama
 

@@ -22,7 +22,7 @@ from vlm_engine.config import EngineConfig
 from vlm_engine.detokenizer import IncrementalDetokenizer
 from vlm_engine.host_memory import keep_freed_memory
 from vlm_engine.inputs import ProcessedPrompt
-from vlm_engine.models.cpu_isa import tier_description
+from vlm_engine.kernels.cpu_isa import tier_description
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import (
     build_model,

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from vlm_engine.metrics.histogram import Histogram
+from vlm_engine.histogram import Histogram
 from vlm_engine.sampling_params import SamplingParams
 
 

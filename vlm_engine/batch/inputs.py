@@ -87,7 +87,7 @@ def _media_items(path: str, prompt: str | None, schema: dict[str, Any] | None, p
     if kind != "pdf" or item.error is not None:
         return [item]
     try:
-        from vlm_engine.batch.media import pdf_page_count
+        from vlm_engine.batch.pdf import pdf_page_count
 
         pages = pdf_page_count(path)
     except Exception as exc:  # noqa: BLE001 - pypdfium2 raises its own error types for corrupt files

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from types import ModuleType
 
-from vlm_engine.models.cpu_isa import has_native_bf16
+from vlm_engine.kernels.cpu_isa import has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ _SRC = Path(__file__).resolve().parent / "csrc" / "bf16_dot_gemm.cpp"
 
 @functools.cache
 def load_bf16_dot_gemm() -> ModuleType | None:
-    from vlm_engine.attention.cpu_kernel import build_extension, cpu_kernels_disabled
+    from vlm_engine.kernels.build import build_extension, cpu_kernels_disabled
 
     if cpu_kernels_disabled() or not has_native_bf16():
         return None

@@ -28,7 +28,7 @@ def fused_ops_apply(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def load_fused_ops() -> ModuleType | None:
-    from vlm_engine.attention.cpu_kernel import build_extension, cpu_kernels_disabled
+    from vlm_engine.kernels.build import build_extension, cpu_kernels_disabled
 
     if cpu_kernels_disabled():
         logger.info("fused CPU ops disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.models.cpu_isa import has_amx_bf16, onednn_bf16_packing
+from vlm_engine.kernels.cpu_isa import has_amx_bf16, onednn_bf16_packing
 
 logger = logging.getLogger(__name__)
 

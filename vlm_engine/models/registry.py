@@ -20,7 +20,7 @@ from torch import nn
 
 from vlm_engine.models import loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
-from vlm_engine.models.cpu_isa import has_native_bf16, tier_description
+from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 from vlm_engine.models.quantized import quantize_linears

@@ -24,7 +24,7 @@ from vlm_engine.models.llama import head_dim_of
 from vlm_engine.runner.sampler import SampledToken, batch_argmax, sample, token_logprobs
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-from vlm_engine.speculative.verify import verify_greedy, verify_sampled
+from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.structured.grammar import build_bitmask
 
 

@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from vlm_engine import ipc
-from vlm_engine.metrics import histogram as H
+from vlm_engine import histogram as H
 from vlm_engine.metrics.request_tracker import RequestRecord
 
 disable_created_metrics()  # no `_created` series: dashboards never use them (vLLM does the same)
