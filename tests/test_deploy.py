@@ -20,6 +20,7 @@ import pytest
 
 from tests.conftest import OBSERVED_REPLICA as REPLICA
 from tests.conftest import make_image
+from tests.kernel_builds import setup_missing
 from tests.server_helpers import REPO, ServerProcess, free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -91,13 +92,13 @@ def test_dashboard_queries_use_the_variables() -> None:
 
 
 def test_prometheus_config_is_valid() -> None:
-    yaml = pytest.importorskip("yaml")
+    import yaml  # PyYAML: transformers' own dependency
     config = yaml.safe_load(PROM_CONFIG.read_text())
     assert config["global"]["scrape_interval"] == "5s"
     (job,) = config["scrape_configs"]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"]
     if shutil.which("promtool") is None:
-        pytest.skip("promtool is not installed (Debian's prometheus package has it: `make system-packages`)")
+        setup_missing("promtool is not installed (Debian's prometheus package has it: `make system-packages`)")
     subprocess.run(["promtool", "check", "config", str(PROM_CONFIG)], check=True, capture_output=True)
 
 

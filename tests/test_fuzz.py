@@ -36,6 +36,7 @@ import psutil
 import pytest
 
 from tests.conftest import make_image
+from tests.kernel_builds import setup_missing
 from tests.server_helpers import ARTIFACTS, REPO, ServerProcess, running, sse_events
 from vlm_engine.testing.videos import audio_only_clip, make_clip, zero_frame_clip
 
@@ -310,7 +311,7 @@ def summarize(group: str, outcomes: list[Outcome], **extra: Any) -> dict[str, An
 
 def corpus_files() -> list[Path]:
     if not CORPUS.is_dir():
-        pytest.skip(f"{CORPUS.relative_to(REPO)} is missing: `make fuzz-corpus` downloads Pillow's test images")
+        setup_missing(f"{CORPUS.relative_to(REPO)} is missing: `make fuzz-corpus` downloads Pillow's test images")
     return sorted(p for p in CORPUS.rglob("*") if p.is_file())
 
 

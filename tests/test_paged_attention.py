@@ -14,6 +14,8 @@ from vlm_engine.kernels import build
 from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
 from vlm_engine.kernels.cpu_isa import cpu_flags
 
+from tests.kernel_builds import require_extension
+
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
@@ -91,10 +93,8 @@ def check_close(out, ref, dtype):
 
 @pytest.fixture(scope="module")
 def ext():
-    mod = cpu_kernel.load_extension_module()
-    if mod is None:
-        pytest.skip("fused CPU paged-attention extension could not be built on this machine (see warning log)")
-    return mod
+    # A failed build fails under CI=true and skips elsewhere, with the compiler's errors.
+    return require_extension(cpu_kernel.load_extension_module, "the fused CPU paged-attention extension")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -355,38 +355,62 @@ def _assert_error(exc: openai.APIStatusError, status: int) -> dict[str, Any]:
     return body["error"]
 
 
-def test_error_cases(server: ServerProcess, client: openai.OpenAI, media_dir: Path) -> None:
-    bad_cases = [
-        user("x", "data:image/png;base64,!!!notbase64"),  # malformed data URI
-        user("x", "data:image/png;base64," + base64.b64encode(b"garbage bytes").decode()),  # undecodable
-        user("x", data_uri(noise_image(256, 256))),  # over --max-image-bytes
-        user("x", *[data_uri(make_image(16, 16, seed=s)) for s in range(3)]),  # over --limit-mm-per-prompt
-        user("x", f"file://{media_dir / 'not_an_image.png'}"),
-        user("x", "file:///etc/hostname"),  # outside --allowed-local-media-path
-        [{"role": "robot", "content": "hi"}],  # malformed message
-        [],
-    ]
-    for i, messages in enumerate(bad_cases):
-        with pytest.raises(openai.BadRequestError) as info:
-            chat(client, messages)
-        assert _assert_error(info.value, 400)["message"], f"case {i}"
+# Each builds a request's messages from media_dir; every one is a 400 that holds no KV page.
+BAD_MESSAGES = [
+    pytest.param(lambda media: user("x", "data:image/png;base64,!!!notbase64"), id="malformed-data-uri"),
+    pytest.param(
+        lambda media: user("x", "data:image/png;base64," + base64.b64encode(b"garbage bytes").decode()),
+        id="undecodable-image",
+    ),
+    pytest.param(lambda media: user("x", data_uri(noise_image(256, 256))), id="over-max-image-bytes"),
+    pytest.param(
+        lambda media: user("x", *[data_uri(make_image(16, 16, seed=s)) for s in range(3)]),
+        id="over-limit-mm-per-prompt",
+    ),
+    pytest.param(lambda media: user("x", f"file://{media / 'not_an_image.png'}"), id="local-file-not-an-image"),
+    pytest.param(lambda media: user("x", "file:///etc/hostname"), id="outside-allowed-local-media-path"),
+    pytest.param(lambda media: [{"role": "robot", "content": "hi"}], id="malformed-message"),
+    pytest.param(lambda media: [], id="no-messages"),
+]
 
+
+@pytest.mark.parametrize("messages_of", BAD_MESSAGES)
+def test_bad_messages_are_400(
+    server: ServerProcess, client: openai.OpenAI, media_dir: Path, messages_of: Callable[[Path], Any]
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, messages_of(media_dir))
+    assert _assert_error(info.value, 400)["message"]
+    assert _wait_metric(server, "vlm_engine:kv_pages_used", 0)
+
+
+def test_prompt_over_the_context_is_400(server: ServerProcess, client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, user("word " * (MAX_MODEL_LEN + 10)))
     error = _assert_error(info.value, 400)
     assert error["code"] == "context_length_exceeded" and "context" in error["message"]
+    assert _wait_metric(server, "vlm_engine:kv_pages_used", 0)
 
-    for kwargs in (
-        {"temperature": -1.0},
-        {"top_p": 2.0},
-        {"max_tokens": 0},
-        {"extra_body": {"top_k": -5}},
-        {"top_logprobs": 2},
-        {"n": 1000},
-    ):
-        with pytest.raises(openai.BadRequestError):
-            chat(client, user("x"), **kwargs)
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        pytest.param({"temperature": -1.0}, id="negative-temperature"),
+        pytest.param({"top_p": 2.0}, id="top_p-over-1"),
+        pytest.param({"max_tokens": 0}, id="zero-max_tokens"),
+        pytest.param({"extra_body": {"top_k": -5}}, id="negative-top_k"),
+        pytest.param({"top_logprobs": 2}, id="top_logprobs-without-logprobs"),
+        pytest.param({"n": 1000}, id="n-too-large"),
+    ],
+)
+def test_bad_sampling_parameters_are_400(server: ServerProcess, client: openai.OpenAI, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, user("x"), **kwargs)
+    _assert_error(info.value, 400)
+    assert _wait_metric(server, "vlm_engine:kv_pages_used", 0)
+
+
+def test_unknown_model_is_404_and_a_wrong_key_401(server: ServerProcess, client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="no-such-model", messages=user("x"))
     assert _assert_error(info.value, 404)["code"] == "model_not_found"
@@ -398,6 +422,10 @@ def test_error_cases(server: ServerProcess, client: openai.OpenAI, media_dir: Pa
     with pytest.raises(openai.AuthenticationError):
         wrong_key.models.list()
 
+
+def test_bad_streaming_request_and_bad_json_are_400_before_any_stream(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
     # Bad requests with stream=True fail before the stream starts, with the same status.
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny-vlm", messages=user("x", "data:image/png;base64,AAAA"), stream=True)

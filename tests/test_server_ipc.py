@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,30 +64,44 @@ def test_engine_request_round_trip_over_zmq_without_pickling(processor, tmp_path
         assert torch.equal(got.pixel_values, want.pixel_values)
 
 
-def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(processor, monkeypatch: pytest.MonkeyPatch) -> None:
+CONTEXT = 512
+
+
+# Each refuses a prompt that cannot fit the context: (processor, a body-sized text) -> the call.
+TOO_LONG = [
+    pytest.param(
+        lambda proc, huge: proc.from_messages([{"role": "user", "content": huge}], max_prompt_tokens=CONTEXT),
+        "messages",
+        id="messages",
+    ),
+    pytest.param(lambda proc, huge: proc.from_text(huge, max_prompt_tokens=CONTEXT), "prompt", id="text"),
+    pytest.param(
+        lambda proc, huge: proc.from_token_ids([1] * CONTEXT, max_prompt_tokens=CONTEXT), "prompt", id="token-ids"
+    ),
+]
+
+
+@pytest.mark.parametrize(("call", "param"), TOO_LONG)
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(
+    processor, monkeypatch: pytest.MonkeyPatch, call: Callable[[Any, str], Any], param: str
+) -> None:
     """A body-sized prompt would hold the worker while it tokenizes; the length bound refuses it
     first (and a prompt that may fit is tokenized as before)."""
     from preprocess.prompt import PromptError
 
-    context = 512
     longest = max(len(t) for t in processor.tokenizer.get_vocab())
-    huge = "word " * (context * longest)
+    huge = "word " * (CONTEXT * longest)
     tokenized: list[int] = []
     tokenizer_call = type(processor.tokenizer).__call__
     monkeypatch.setattr(
         type(processor.tokenizer), "__call__", lambda self, *a, **k: tokenized.append(1) or tokenizer_call(self, *a, **k)
     )
-    for call, param in (
-        (lambda: processor.from_messages([{"role": "user", "content": huge}], max_prompt_tokens=context), "messages"),
-        (lambda: processor.from_text(huge, max_prompt_tokens=context), "prompt"),
-        (lambda: processor.from_token_ids([1] * context, max_prompt_tokens=context), "prompt"),
-    ):
-        with pytest.raises(PromptError, match=f"context is {context} tokens") as info:
-            call()
-        assert info.value.param == param and info.value.code == "context_length_exceeded"
-    assert not tokenized, "the refused prompts were tokenized"
-    fits = processor.from_text("word " * 50, max_prompt_tokens=context)
-    assert 0 < len(fits.token_ids) < context and tokenized
+    with pytest.raises(PromptError, match=f"context is {CONTEXT} tokens") as info:
+        call(processor, huge)
+    assert info.value.param == param and info.value.code == "context_length_exceeded"
+    assert not tokenized, "the refused prompt was tokenized"
+    fits = processor.from_text("word " * 50, max_prompt_tokens=CONTEXT)
+    assert 0 < len(fits.token_ids) < CONTEXT and tokenized
 
 
 def test_choice_seeds_differ_per_choice() -> None:

@@ -61,12 +61,25 @@ def test_completion_prompts() -> None:
     assert parse([1, 2]).prompts == [[1, 2]]
     assert parse(["a", [1]], n=2).num_choices == 4
     assert parse("a", logprobs=2).sampling.logprobs == 2
-    for bad in ([], [[]], [1, "a"], None, 5, [True]):
-        with pytest.raises(P.ApiError):
-            parse(bad)
-    for kw in ({"echo": True}, {"suffix": "x"}, {"n": 3, "prompt": ["a", "b"]}):
-        with pytest.raises(P.ApiError):
-            P.parse_completion({"prompt": "a", **kw}, "m", max_n=4)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"prompt": []}, id="empty-list"),
+        pytest.param({"prompt": [[]]}, id="empty-token-list"),
+        pytest.param({"prompt": [1, "a"]}, id="mixed-ids-and-text"),
+        pytest.param({"prompt": None}, id="null"),
+        pytest.param({"prompt": 5}, id="a-number"),
+        pytest.param({"prompt": [True]}, id="a-bool"),
+        pytest.param({"prompt": "a", "echo": True}, id="echo"),
+        pytest.param({"prompt": "a", "suffix": "x"}, id="suffix"),
+        pytest.param({"prompt": ["a", "b"], "n": 3}, id="choices-over-max-n"),
+    ],
+)
+def test_completion_rejections(body: dict[str, Any]) -> None:
+    with pytest.raises(P.ApiError):
+        P.parse_completion(body, "m", max_n=4)
 
 
 def test_sse_chunks_escape_what_line_splitters_split_at() -> None:

@@ -245,49 +245,70 @@ def test_named_and_required_tool_calls(client: openai.OpenAI, server: ServerProc
         jsonschema.validate(json.loads(d["function"]["arguments"]), SCHEMA_OF[d["function"]["name"]])
 
 
-def test_bad_constraints_are_400_and_the_server_keeps_serving(server: ServerProcess) -> None:
-    def schema(s: Any) -> dict[str, Any]:
-        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+def _schema(s: Any) -> dict[str, Any]:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
 
-    cases = [
-        (schema({"type": "frobnicate"}), "response_format", "Invalid type"),
-        (schema({"type": "array", "uniqueItems": True}), "response_format", "uniqueItems"),  # cannot be enforced
-        (schema({"$ref": "#/$defs/missing"}), "response_format", "missing"),
-        (schema({"type": "string", "pattern": "(("}), "response_format", "regex"),
-        ({"response_format": {"type": "yaml"}}, "response_format", "response_format"),
-        ({"structured_outputs": {"regex": "[a-z"}}, "response_format", "regex"),
-        ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
-        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
-        ({"structured_outputs": {"grammar": "start: nowhere"}}, "response_format", "nowhere"),
-        (
-            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
-            "structured_outputs",
-            "only one",
-        ),
-        (
-            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
-            "tool_choice",
-            "get_stock",
-        ),
-        ({"tool_choice": "required"}, "tool_choice", "tools"),
-        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0]", "name"),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
-            "tools[0].function.parameters",
-            "nope",
-        ),
-    ]
+
+# (the request's extra fields, the error's param, words its message must hold)
+BAD_CONSTRAINTS = [
+    pytest.param(_schema({"type": "frobnicate"}), "response_format", "Invalid type", id="schema-unknown-type"),
+    pytest.param(  # cannot be enforced
+        _schema({"type": "array", "uniqueItems": True}), "response_format", "uniqueItems", id="schema-uniqueItems"
+    ),
+    pytest.param(_schema({"$ref": "#/$defs/missing"}), "response_format", "missing", id="schema-dangling-ref"),
+    pytest.param(_schema({"type": "string", "pattern": "(("}), "response_format", "regex", id="schema-bad-pattern"),
+    pytest.param({"response_format": {"type": "yaml"}}, "response_format", "response_format", id="unknown-format"),
+    pytest.param({"structured_outputs": {"regex": "[a-z"}}, "response_format", "regex", id="bad-regex"),
+    pytest.param({"structured_outputs": {"choice": []}}, "structured_outputs", "choice", id="empty-choice"),
+    pytest.param(
+        {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one", id="two-kinds"
+    ),
+    pytest.param({"structured_outputs": {"grammar": "start: nowhere"}}, "response_format", "nowhere", id="bad-grammar"),
+    pytest.param(
+        {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+        "structured_outputs",
+        "only one",
+        id="format-and-structured-outputs",
+    ),
+    pytest.param(
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_stock"}}},
+        "tool_choice",
+        "get_stock",
+        id="named-tool-not-given",
+    ),
+    pytest.param({"tool_choice": "required"}, "tool_choice", "tools", id="required-without-tools"),
+    pytest.param(
+        {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+        "tools[0]",
+        "name",
+        id="tool-without-name",
+    ),
+    pytest.param(
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+        "tools[0].function.parameters",
+        "nope",
+        id="tool-bad-parameters",
+    ),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), BAD_CONSTRAINTS)
+def test_a_bad_constraint_is_400_and_generates_nothing(
+    server: ServerProcess, extra: dict[str, Any], param: str, words: str
+) -> None:
     before = server.metrics()
-    for extra, param, words in cases:
-        r = post(server, {"messages": user("hi"), "max_tokens": 4, **extra})
-        assert r.status_code == 400, (extra, r.text)
-        error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
-        assert error["param"] == param and words in error["message"], (extra, error)
+    r = post(server, {"messages": user("hi"), "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert error["param"] == param and words in error["message"], error
     after = server.metrics()
     assert after["vlm_engine:kv_pages_used"] == 0 and after.get("vlm_engine:generation_tokens_total") == before.get(
         "vlm_engine:generation_tokens_total"
     )
+
+
+def test_the_server_keeps_serving_after_bad_constraints(server: ServerProcess) -> None:
     text, finish = answer(server, {"messages": user("still there?"), "max_tokens": 8, "temperature": 0}, False)
     assert finish in ("stop", "length") and text
 

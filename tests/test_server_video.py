@@ -9,7 +9,8 @@ import http.server
 import socketserver
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,50 +107,105 @@ def test_a_video_is_answered(server: ServerProcess, media_dir: Path) -> None:
     assert kwargs.json()["usage"]["prompt_tokens"] == local.json()["usage"]["prompt_tokens"]
 
 
-def bad_cases(stalling_url: str) -> list[tuple[str, Any, str]]:
-    clip = make_clip(width=96, height=64, fps=10, seconds=2)
-    long_clip = make_clip(width=64, height=64, fps=5, seconds=6)
+@dataclass(frozen=True)
+class Clips:
+    """What the bad-video cases are made of, encoded once per module."""
+
+    clip: bytes
+    long_clip: bytes
+    noise: bytes
+    stalling_url: str
+
+
+@pytest.fixture(scope="module")
+def clips(stalling_url: str) -> Clips:
     noise = encode_clip(list(np.random.default_rng(0).integers(0, 256, (10, 240, 320, 3), dtype=np.uint8)), 10)
-    return [
-        ("truncated", video_message(data_uri(clip[: len(clip) * 6 // 10])), "truncated"),
-        ("audio-only", video_message(data_uri(audio_only_clip())), "no video stream"),
-        ("zero-frames", video_message(data_uri(zero_frame_clip(), "video/x-msvideo")), "no frames"),
-        ("unknown-codec", video_message(data_uri(unknown_codec_clip())), "unsupported video codec"),
-        ("over-duration", video_message(data_uri(long_clip)), "at most 5 s"),
-        ("over-pixels", video_message(data_uri(clip), fps=10, max_frames=64), "pixel"),
-        ("over-bytes", video_message(data_uri(noise)), "too large"),
-        ("bad-fps", video_message(data_uri(clip), fps=-1), "fps"),
-        (
-            "bad-kwargs",
-            {"messages": video_message(data_uri(clip)), "mm_processor_kwargs": {"max_frames": 0}},
-            "max_frames",
-        ),
-        ("an-image", video_message(data_uri(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)), "unsupported video container"),
-        ("not-media", video_message(data_uri(b"hello, this is text" * 8)), "could not open the video"),
-        ("image-mime", video_message("data:image/png;base64,AAAA"), "expected video/*"),
-        ("outside-dir", video_message("/etc/passwd"), "outside the allowed media directory"),
-        ("timeout", video_message(stalling_url), "timed out fetching video"),
-        (
-            "two-videos",
-            [{"role": "user", "content": [video_message(data_uri(clip))[0]["content"][0]] * 2}],
-            "at most 1 videos",
-        ),
-    ]
+    return Clips(
+        clip=make_clip(width=96, height=64, fps=10, seconds=2),
+        long_clip=make_clip(width=64, height=64, fps=5, seconds=6),
+        noise=noise,
+        stalling_url=stalling_url,
+    )
 
 
-def test_bad_videos_are_400s_that_name_the_part_and_cost_nothing(server: ServerProcess, stalling_url: str) -> None:
+FIRST_PART = "messages[0].content[0]"
+
+# (request of the clips: messages, or a dict of messages and other body fields; words the error
+# message must hold; the error's param)
+BAD_VIDEOS = [
+    pytest.param(
+        lambda c: video_message(data_uri(c.clip[: len(c.clip) * 6 // 10])), "truncated", FIRST_PART, id="truncated"
+    ),
+    pytest.param(lambda c: video_message(data_uri(audio_only_clip())), "no video stream", FIRST_PART, id="audio-only"),
+    pytest.param(
+        lambda c: video_message(data_uri(zero_frame_clip(), "video/x-msvideo")),
+        "no frames",
+        FIRST_PART,
+        id="zero-frames",
+    ),
+    pytest.param(
+        lambda c: video_message(data_uri(unknown_codec_clip())),
+        "unsupported video codec",
+        FIRST_PART,
+        id="unknown-codec",
+    ),
+    pytest.param(lambda c: video_message(data_uri(c.long_clip)), "at most 5 s", FIRST_PART, id="over-duration"),
+    pytest.param(
+        lambda c: video_message(data_uri(c.clip), fps=10, max_frames=64), "pixel", FIRST_PART, id="over-pixels"
+    ),
+    pytest.param(lambda c: video_message(data_uri(c.noise)), "too large", FIRST_PART, id="over-bytes"),
+    pytest.param(lambda c: video_message(data_uri(c.clip), fps=-1), "fps", FIRST_PART, id="bad-fps"),
+    pytest.param(
+        lambda c: {"messages": video_message(data_uri(c.clip)), "mm_processor_kwargs": {"max_frames": 0}},
+        "max_frames",
+        "mm_processor_kwargs",
+        id="bad-kwargs",
+    ),
+    pytest.param(
+        lambda c: video_message(data_uri(b"\x89PNG\r\n\x1a\n" + b"\0" * 64)),
+        "unsupported video container",
+        FIRST_PART,
+        id="an-image",
+    ),
+    pytest.param(
+        lambda c: video_message(data_uri(b"hello, this is text" * 8)),
+        "could not open the video",
+        FIRST_PART,
+        id="not-media",
+    ),
+    pytest.param(
+        lambda c: video_message("data:image/png;base64,AAAA"), "expected video/*", FIRST_PART, id="image-mime"
+    ),
+    pytest.param(
+        lambda c: video_message("/etc/passwd"), "outside the allowed media directory", FIRST_PART, id="outside-dir"
+    ),
+    pytest.param(lambda c: video_message(c.stalling_url), "timed out fetching video", FIRST_PART, id="timeout"),
+    pytest.param(
+        lambda c: [{"role": "user", "content": [video_message(data_uri(c.clip))[0]["content"][0]] * 2}],
+        "at most 1 videos",
+        "messages",
+        id="two-videos",
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_of", "reason", "param"), BAD_VIDEOS)
+def test_a_bad_video_is_a_400_that_names_the_part_and_costs_nothing(
+    server: ServerProcess, clips: Clips, request_of: Callable[[Clips], Any], reason: str, param: str
+) -> None:
     worker_pid = server.child_pid("preprocess-0")
-    for name, case, reason in bad_cases(stalling_url):
-        extra = {k: v for k, v in case.items() if k != "messages"} if isinstance(case, dict) else {}
-        messages = case["messages"] if isinstance(case, dict) else case
-        response = chat(server, messages, **extra)
-        assert response.status_code == 400, (name, response.text)
-        error = response.json()["error"]
-        assert reason in error["message"], (name, error)
-        where = {"two-videos": "messages", "bad-kwargs": "mm_processor_kwargs"}.get(name, "messages[0].content[0]")
-        assert error["param"] == where, (name, error)
-    assert server.child_pid("preprocess-0") == worker_pid  # the worker survived every one
+    case = request_of(clips)
+    extra = {k: v for k, v in case.items() if k != "messages"} if isinstance(case, dict) else {}
+    messages = case["messages"] if isinstance(case, dict) else case
+    response = chat(server, messages, **extra)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert reason in error["message"] and error["param"] == param, error
+    assert server.child_pid("preprocess-0") == worker_pid  # the worker survived it
     metrics = server.metrics()
     assert metrics["vlm_engine:kv_pages_used"] == 0 and metrics["vlm_engine:num_requests_inflight"] == 0
-    good = chat(server, video_message(data_uri(make_clip(width=96, height=64, fps=10, seconds=2))))
+
+
+def test_the_server_serves_after_the_bad_videos(server: ServerProcess, clips: Clips) -> None:
+    good = chat(server, video_message(data_uri(clips.clip)))
     assert good.status_code == 200, good.text

@@ -112,12 +112,21 @@ def build_extension(name: str, source: Path, build_dir: Path | None = None) -> M
                 verbose=verbose,
             )
         except Exception as e:  # noqa: BLE001
-            msg = str(e).strip()
-            errors.append(f"[{' '.join(flags)}] {msg.splitlines()[-1] if msg else repr(e)}")
+            errors.append(f"[{' '.join(flags)}] {_error_summary(str(e)) or repr(e)}")
     logger.warning(
         "could not build the C++ extension %s; using the torch reference. Errors: %s", name, " | ".join(errors)
     )
     return None
+
+
+def _error_summary(message: str, most: int = 5) -> str:
+    """The compiler's `error:` lines (the first few) and the build tool's last line: the last line
+    alone reads "ninja: build stopped: subcommand failed", which says nothing of the cause."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    errors = [line for line in lines if "error:" in line][:most]
+    return " / ".join([*errors, lines[-1]] if lines[-1] not in errors else errors)
 
 
 def cpu_kernels_disabled() -> bool:
