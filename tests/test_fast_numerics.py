@@ -60,8 +60,8 @@ def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
         seq_lens_host=[n],
     )
     positions = torch.arange(n)
-    if runner.uses_mrope:  # text only: the three rotary axes share the position
-        positions = positions.expand(3, n)
+    if runner.position_axes > 1:  # text only: the rotary axes (M-RoPE's three) share the position
+        positions = positions.expand(runner.position_axes, n)
     ctx = ForwardContext(meta, runner.kv_caches, runner.attn_backend, runner.fused_ops)
     try:
         with torch.inference_mode():

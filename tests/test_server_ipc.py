@@ -21,11 +21,10 @@ from vlm_engine.server.preprocess_worker import choice_sampling, encode_engine_r
 
 @pytest.fixture(scope="module")
 def processor(tiny_vlm_dir: Path):
-    from preprocess.prompt import PromptProcessor
-    from vlm_engine.models.registry import load_config, resolve_model
+    from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
     source = resolve_model(str(tiny_vlm_dir))
-    return PromptProcessor(source.directory, load_config(source), source.gguf_file)
+    return prompt_processor(source, load_config(source))
 
 
 def test_engine_request_round_trip_over_zmq_without_pickling(processor, tmp_path: Path) -> None:
@@ -57,8 +56,8 @@ def test_engine_request_round_trip_over_zmq_without_pickling(processor, tmp_path
     assert isinstance(msg, ipc.EngineRequest) and msg.sampling == sampling
     rebuilt = build_prompt(msg, frames)
     assert rebuilt.token_ids == prompt.token_ids
-    assert rebuilt.mrope_delta == prompt.mrope_delta
-    np.testing.assert_array_equal(rebuilt.mrope_positions, prompt.mrope_positions)
+    assert rebuilt.position_delta == prompt.position_delta
+    np.testing.assert_array_equal(rebuilt.positions, prompt.positions)
     for got, want in zip(rebuilt.media, prompt.media, strict=True):
         assert got.span == want.span and got.grid_thw == want.grid_thw and got.kind == want.kind
         assert torch.equal(got.pixel_values, want.pixel_values)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+DEFAULT_MODEL = "placard-default"  # the embedded default that sees images (vlm_engine/models/placard/)
 NUMERICS = ("fast", "exact")
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes of vlm_engine.models.quantized
 

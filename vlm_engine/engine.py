@@ -15,25 +15,28 @@ from typing import Any
 
 import torch
 
-from preprocess.prompt import PromptProcessor
 from vlm_engine.attention.backends import create_backend
 from vlm_engine.cache.page_pool import PagePool
-from vlm_engine.config import EngineConfig
-from vlm_engine.detokenizer import IncrementalDetokenizer
+from vlm_engine.config import DEFAULT_MODEL, EngineConfig
 from vlm_engine.host_memory import keep_freed_memory
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.kernels.cpu_isa import tier_description
+from vlm_engine.metrics.core_stats import StepRecorder, StepStats
+from vlm_engine.models.family import text_config_of
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import (
     build_model,
     cpu_bf16_weights,
     default_device,
     load_config,
+    prompt_processor,
     resolve_dtype,
     resolve_model,
 )
+from vlm_engine.output_processor import OutputProcessor
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
+from vlm_engine import ipc
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from vlm_engine.speculative import Speculator
@@ -68,20 +71,6 @@ class RequestOutput:
 
 
 @dataclass
-class StepStats:
-    """Where one step's time went; host overhead is a first-class number."""
-
-    num_tokens: int = 0
-    num_seqs: int = 0
-    schedule_s: float = 0.0
-    propose_s: float = 0.0  # speculative decoding: proposing drafts (a draft model's forwards)
-    forward_s: float = 0.0
-    update_s: float = 0.0
-    mask_s: float = 0.0  # grammar masks, built on a host thread during the forward (not added to it)
-    mask_wait_s: float = 0.0  # of forward_s, the wait for masks after the forward finished
-
-
-@dataclass
 class TokenStep:
     """One step at the token level: the plan that ran and the tokens it appended, in chunk order
     (several per request when a draft was accepted)."""
@@ -105,7 +94,7 @@ class StepFailed(RuntimeError):
 class Engine:
     def __init__(
         self,
-        model: str = "placard-default",  # registry.DEFAULT_MODEL: the classifier + SmolLM2 demonstration
+        model: str = DEFAULT_MODEL,
         dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
@@ -142,7 +131,7 @@ class Engine:
             cfg.quantization, quant_ops, self.bf16_weights,
         )
         limits = {"limits": cfg.media_limits} if cfg.media_limits is not None else {}
-        self.processor = PromptProcessor(self.source.directory, self.hf_config, self.source.gguf_file, **limits)
+        self.processor = prompt_processor(self.source, self.hf_config, **limits)
         self.tokenizer = self.processor.tokenizer
         draft_model = None
         if cfg.speculative and cfg.speculative.startswith("draft:"):
@@ -151,8 +140,7 @@ class Engine:
         layout = KVLayout.of(self.model)
         layouts = [layout] if draft_model is None else [layout, KVLayout.of(draft_model)]
         num_pages = self._num_pages(layouts)
-        text_config = getattr(self.hf_config, "text_config", None) or self.hf_config
-        model_len = cfg.max_model_len or int(text_config.max_position_embeddings)
+        model_len = cfg.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
         self.max_model_len = min(model_len, num_pages * cfg.page_size)
         self.pool = PagePool(num_pages, cfg.page_size, cfg.enable_prefix_cache)
         self.scheduler = Scheduler(
@@ -172,10 +160,10 @@ class Engine:
         self.speculator = self._build_speculator(draft_model, num_pages, backend, fused)
         self.eos_token_ids = self._eos_token_ids()
         self._grammars: Any = None  # GrammarCompiler, built on the first constrained request
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._logprobs: dict[str, list[TokenLogprob]] = {}
+        self._outputs = OutputProcessor(self.tokenizer)  # in-process text: `step()` only, never the server core
         self._ids = itertools.count()
         self.last_step = StepStats()
+        self._recorder = StepRecorder(num_pages)
         logger.info(
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
             "%d KV pages x %d tokens, max_model_len %d, speculative %s",
@@ -190,8 +178,8 @@ class Engine:
     def _build_draft_model(self, path: str, fast: bool, panel_ops: Any) -> torch.nn.Module:
         source = resolve_model(path)
         config = load_config(source)
-        draft_vocab = int((getattr(config, "text_config", None) or config).vocab_size)
-        target_vocab = int((getattr(self.hf_config, "text_config", None) or self.hf_config).vocab_size)
+        draft_vocab = int(text_config_of(config).vocab_size)
+        target_vocab = int(text_config_of(self.hf_config).vocab_size)
         if draft_vocab != target_vocab:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
         # Same dtype and kernels as the target; optionally weight-only quantized, which makes the
@@ -238,7 +226,7 @@ class Engine:
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        for source in (self.hf_config, getattr(self.hf_config, "text_config", None), _generation_config(self.source)):
+        for source in (self.hf_config, text_config_of(self.hf_config), _generation_config(self.source)):
             value = getattr(source, "eos_token_id", None) if source is not None else None
             if isinstance(value, int):
                 ids.add(value)

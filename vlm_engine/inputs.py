@@ -20,17 +20,18 @@ class MediaInput:
 
     kind: str  # "image" | "video"
     span: MediaSpan
-    pixel_values: Any  # torch.Tensor [num_patches, patch_dim]; typed loosely to keep torch out of the scheduler
-    grid_thw: tuple[int, int, int]
+    pixel_values: Any  # the encoder's input (a torch.Tensor); typed loosely to keep torch out of the scheduler
+    grid_thw: tuple[int, int, int]  # the family's shape of it (Qwen2-VL: the patch grid); (1, 1, 1) where unused
 
 
 @dataclass
 class ProcessedPrompt:
     token_ids: list[int]
     media: list[MediaInput] = field(default_factory=list)
-    # M-RoPE models: [3, len(token_ids)] positions and the offset that continues them in decode.
-    mrope_positions: np.ndarray | None = None
-    mrope_delta: int = 0
+    # Rotary positions when the family's are not plain 1-D ones: [axes, len(token_ids)] (M-RoPE: the
+    # t, h, w axes), and the offset that continues them in decode (every axis at position + delta).
+    positions: np.ndarray | None = None
+    position_delta: int = 0
     text: str | None = None  # the rendered prompt, for logs and tests
 
     @property

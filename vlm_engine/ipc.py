@@ -101,8 +101,8 @@ class EngineRequest(Message):
     sampling: SamplingParams
     token_ids: TensorMeta
     media: list[MediaMeta] = []
-    mrope_positions: TensorMeta | None = None
-    mrope_delta: int = 0
+    positions: TensorMeta | None = None
+    position_delta: int = 0
 
 
 # ---- api / detokenizer -> core ---------------------------------------------------------------------

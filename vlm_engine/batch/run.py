@@ -102,7 +102,7 @@ class BatchRun:
         if self.o.servers:
             return ServerBackend(self.o.servers, self.o.concurrency, self.o.api_key)
         from preprocess.media import MediaLimits
-        from vlm_engine.models.registry import DEFAULT_MODEL
+        from vlm_engine.config import DEFAULT_MODEL
 
         limits = MediaLimits(
             allow_private_urls=self.o.allow_private_media_urls, allowed_domains=self.o.allowed_media_domains

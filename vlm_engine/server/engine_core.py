@@ -72,9 +72,9 @@ def build_prompt(msg: ipc.EngineRequest, frames: list[Any]) -> ProcessedPrompt:
         for m in msg.media
     ]
     positions = None
-    if msg.mrope_positions is not None:
-        positions = ipc.frame_array(msg.mrope_positions, frames)
-    return ProcessedPrompt(token_ids=token_ids, media=media, mrope_positions=positions, mrope_delta=msg.mrope_delta)
+    if msg.positions is not None:
+        positions = ipc.frame_array(msg.positions, frames)
+    return ProcessedPrompt(token_ids=token_ids, media=media, positions=positions, position_delta=msg.position_delta)
 
 
 class EngineCore:

@@ -30,24 +30,22 @@ logger = logging.getLogger(__name__)
 def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int) -> None:
     """Child-process entry point."""
     init_child(f"vlm-prep-{index}", config.log_level, side=True, nice=config.side_process_nice)
-    from preprocess.prompt import PromptProcessor
     from preprocess.video import FrameCache, select_video_device
-    from vlm_engine.models.registry import load_config, resolve_model
+    from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
     source = resolve_model(config.model)
     video_device, reason = select_video_device(config.video_device)
     logger.info("preprocess worker %d: %s", index, reason)
-    processor = PromptProcessor(
-        source.directory,
+    processor = prompt_processor(
+        source,
         load_config(source),
-        source.gguf_file,
+        video_device,
         limits=config.media_limits(),
         max_images=config.limit_mm_per_prompt,
         max_videos=config.limit_videos_per_prompt,
         video_limits=config.video_limits(),
         video_sampling=config.video_sampling(),
         frame_cache=FrameCache(config.video_frame_cache_bytes),
-        video_device=video_device,
     )
     checker = ConstraintChecker(processor)
     if config.warmup:
@@ -72,9 +70,9 @@ def encode_engine_request(request_id: str, sampling: Any, prompt: ProcessedPromp
         for m in prompt.media
     ]
     positions = None
-    if prompt.mrope_positions is not None:
-        positions = ipc.tensor_frame(np.asarray(prompt.mrope_positions), frames)
-    msg = ipc.EngineRequest(request_id, sampling, token_ids, media, positions, int(prompt.mrope_delta))
+    if prompt.positions is not None:
+        positions = ipc.tensor_frame(np.asarray(prompt.positions), frames)
+    msg = ipc.EngineRequest(request_id, sampling, token_ids, media, positions, int(prompt.position_delta))
     return ipc.encode(msg, frames)
 
 

@@ -1,4 +1,6 @@
-"""Llama-architecture decoders (Llama, SmolLM2, Qwen2's text stack) reading paged KV."""
+"""The Llama-style decoder that families compose: token embeddings, pre-norm layers over paged KV
+(merged QKV and gate/up linears, RMSNorm, rotate-half RoPE or M-RoPE), the final norm and the LM
+head. Llama, Mistral and Qwen2 are it as it is; Qwen2-VL and placard-default put media in front."""
 
 from __future__ import annotations
 
@@ -89,24 +91,38 @@ class DecoderModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
-    uses_mrope = False
+class CausalLM(nn.Module):
+    """A decoder with its LM head: the model side of a family (`vlm_engine.models.family.VLModel`).
+
+    `text_config` is the decoder's config (a VLM's `text_config`, a text model's own config); the
+    runner reads the KV layout, the vocabulary and the rotary axes from here, never from HF config.
+    """
+
     # checkpoint name prefixes -> ours (Transformers' own names for the text stack)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, config: Any, qkv_bias: bool | None = None) -> None:
+    def __init__(
+        self, config: Any, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        if qkv_bias is None:
-            qkv_bias = bool(getattr(config, "attention_bias", False))
-        self.model = DecoderModel(config, qkv_bias)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
+        self.text_config = text_config
+        self.model = DecoderModel(text_config, qkv_bias, mrope_section)
+        self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.position_axes = 3 if mrope_section else 1  # M-RoPE: (t, h, w) positions per token
+        self.vocab_size = int(text_config.vocab_size)
 
     @property
     def num_layers(self) -> int:
         return len(self.model.layers)
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of the paged KV cache this decoder reads."""
+        config = self.text_config
+        return config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -117,7 +133,5 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-
-class Qwen2ForCausalLM(LlamaForCausalLM):
-    def __init__(self, config: Any) -> None:
-        super().__init__(config, qkv_bias=True)
+    def encode_media(self, inputs: list[torch.Tensor], grids: list[Any]) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} takes no media")
