@@ -78,7 +78,7 @@ def bare_forward_ms(engine: Engine, context: int, tokens: int) -> float:
 
     Returns the median milliseconds per step."""
     model, runner = engine.model, engine.runner
-    ps = engine.config.page_size
+    ps = engine.config.cache.page_size
     pages = torch.arange((context + tokens) // ps + 1, dtype=torch.int32)
     with torch.inference_mode():
         token = torch.tensor([1])

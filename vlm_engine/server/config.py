@@ -1,166 +1,156 @@
-"""Server configuration: one frozen record, built by the CLI and shipped to every child process."""
+"""Server configuration: the engine's `EngineConfig` plus the server-only sections, one frozen
+tree built by the CLI (`vlm_engine.cli`, flags generated from these fields) and shipped to every
+child process. As in vlm_engine.config, each option is written once: default and help on its field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
-from vlm_engine.config import DEFAULT_MODEL
+from vlm_engine.config import EngineConfig, FlatOptions, comma_list, doc, positive_int, text_or_none
+
+
+def _app_names() -> list[str]:
+    from vlm_engine.server.apps import APPS  # FastAPI: only the API process and the CLI need it
+
+    return sorted(APPS)
+
+
+def _tool_parser_names() -> list[str]:
+    from vlm_engine.server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    model: str = DEFAULT_MODEL
-    served_model_name: str | None = None  # None: the model argument
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    preprocess_workers: int = 1
+class ApiConfig:
+    """The HTTP API: where it listens, who may call it, what one request may ask."""
 
-    # Engine (passed through to vlm_engine.Engine / EngineConfig).
-    dtype: str = "auto"
-    device: str = "auto"
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_prefix_cache: bool = True
-    attention_backend: str = "auto"
-    numerics: str = "fast"  # EngineConfig.numerics: "fast" kernels, or Transformers' "exact" ops
-    quantization: str | None = None  # EngineConfig.quantization: "int8" / "int4" weight-only linears
-    speculative: str | None = None  # EngineConfig.speculative: "ngram" | "draft:PATH"
-    num_speculative_tokens: int = 4
-    speculative_ngram_max: int = 4
-    speculative_disable_batch_size: int = 8
-    speculative_draft_quantization: str | None = None
+    host: str = field(default="127.0.0.1", metadata=doc("the address to listen on"))
+    port: int = field(default=8000, metadata=doc("the port to listen on"))
+    api_key: str | None = field(
+        default=None,
+        metadata=doc(
+            "require 'Authorization: Bearer KEY'", env="VLM_ENGINE_API_KEY", parse=text_or_none, metavar="KEY"
+        ),
+    )
+    max_waiting_requests: int = field(
+        default=1024, metadata=doc("engine requests accepted but not yet running; beyond this many, answer 503")
+    )
+    retry_after_s: int = field(
+        default=1, metadata=doc("the Retry-After, in seconds, a 503 'overloaded' answer suggests")
+    )
+    max_n: int = field(default=16, metadata=doc("most choices (n x prompts) in one request", parse=positive_int))
+    max_request_bytes: int = field(
+        default=64 * 1024 * 1024,
+        metadata=doc("JSON body cap (413 above it); images come base64-encoded", parse=positive_int),
+    )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata=doc("how tool_choice=auto finds calls in the text (server.tool_parsers)", choices=_tool_parser_names),
+    )
 
-    # Admission and input limits.
-    max_waiting_requests: int = 1024  # engine requests accepted but not yet running; more -> 503
-    limit_mm_per_prompt: int = 8  # images
-    limit_videos_per_prompt: int = 2
-    allowed_local_media_path: str | None = None
-    max_image_bytes: int = 20 * 1024 * 1024
-    # Video: default sampling (a part or mm_processor_kwargs may override) and limits.
-    video_fps: float = 2.0
-    video_max_frames: int = 32
-    max_video_bytes: int = 64 * 1024 * 1024
-    max_video_seconds: float = 600.0
-    max_video_pixels: int = 256 * 1280 * 720  # sampled frames x width x height, per video
-    video_frame_cache_bytes: int = 512 * 1024 * 1024  # decoded frames kept per worker for repeats
-    video_device: str = "auto"  # resize/normalize of frames: auto (CUDA when present) | cpu | cuda
-    media_fetch_timeout_s: float = 5.0  # an image URL's whole download (vLLM's default)
-    video_fetch_timeout_s: float = 30.0
-    allow_private_media_urls: bool = False  # fetch from loopback/private/link-local addresses (intranets, tests)
-    allowed_media_domains: tuple[str, ...] | None = None  # only these hosts (and subdomains); None: any public one
-    max_redirects: int = 3
-    # One request's media, fetch and decode together; past it the request is a 400 (0: no budget).
-    media_time_budget_s: float = 60.0
-    max_concurrent_media_fetches: int = 64  # URL downloads in flight in the API process
-    # Backpressure: the Retry-After a 503 "overloaded" answer suggests, in seconds.
-    retry_after_s: int = 1
-    max_n: int = 16  # most choices (n x prompts) in one request
-    max_request_bytes: int = 64 * 1024 * 1024  # JSON body cap (413 above it); images come base64-encoded
-    tool_call_parser: str = "hermes"  # how tool_choice="auto" finds calls in text (server.tool_parsers)
+    def __post_init__(self) -> None:
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
+        if self.tool_call_parser not in _tool_parser_names():
+            raise ValueError(f"tool_call_parser must be one of {_tool_parser_names()}")
 
-    # Web: a static app hosted next to the API (server.apps), and the origins allowed by CORS
-    # (empty: same origin only; ("*",) lets a page served anywhere call this server).
-    app: str | None = None
-    allowed_origins: tuple[str, ...] = ()
 
-    # Observability (docs/ARCHITECTURE.md, "Observability").
-    replica_id: str | None = None  # the `replica` label of every metric; None: hostname:port
-    log_stats: bool = True  # metrics, per-step histograms and the status line (--disable-log-stats: off)
-    log_stats_interval_s: float = 10.0  # the periodic status line; 0: never
-    request_log: str | None = None  # a JSON-lines file: one line per finished request, token ids included
-    profile_dir: str | None = None  # enables POST /start_profile and /stop_profile (torch profiler traces)
+def _origins(text: str) -> tuple[str, ...]:
+    return tuple(origin.rstrip("/") for origin in comma_list(text) or ())
 
-    # Process behaviour.
-    shutdown_timeout_s: float = 5.0  # grace for in-flight requests on SIGTERM before they are aborted
+
+@dataclass(frozen=True)
+class WebConfig:
+    """A static web app hosted next to the API (server.apps), and CORS for pages served elsewhere."""
+
+    app: str | None = field(
+        default=None, metadata=doc("also serve this web app at /APP (/ redirects there)", choices=_app_names)
+    )
+    allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=doc(
+            "comma-separated origins allowed by CORS ('*' for any; default: same origin only)",
+            parse=_origins,
+            metavar="ORIGINS",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.app is not None and self.app not in _app_names():
+            raise ValueError(f"app must be one of {_app_names()}")
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    """Metrics, logs and traces (docs/ARCHITECTURE.md, "Observability")."""
+
+    replica_id: str | None = field(
+        default=None, metadata=doc("the `replica` label of every metric (default: hostname:port)", metavar="ID")
+    )
+    log_stats: bool = field(
+        default=True, metadata=doc("latency/step metrics, per-step histograms and the periodic status line")
+    )
+    log_stats_interval_s: float = field(default=10.0, metadata=doc("seconds between status lines (0: never)"))
+    request_log: str | None = field(
+        default=None,
+        metadata=doc("append one JSON line per finished request (token ids included) to this file", metavar="PATH"),
+    )
+    profile_dir: str | None = field(
+        default=None,
+        metadata=doc("enable POST /start_profile, /stop_profile; torch profiler traces go here", metavar="DIR"),
+    )
+
+    def __post_init__(self) -> None:
+        if self.log_stats_interval_s < 0:
+            raise ValueError("log_stats_interval_s must be >= 0")
+
+
+@dataclass(frozen=True)
+class ProcessConfig:
+    """The child processes: how many workers, their priority, start-up and shutdown."""
+
+    preprocess_workers: int = field(default=1, metadata=doc("preprocess worker processes", parse=positive_int))
     # API, preprocess and detokenizer yield the cores to the engine core. Measured (SmolLM2, 2 cores,
     # streaming, concurrency 64, bf16): nice 10 and 19 give the same tokens/s, but at 19 the API and
     # detokenizer get too little CPU while the core is saturated (ITL p50 ~190 ms vs ~110 ms, TTFT
     # ~2.2 s vs ~1.5 s); nice 0 costs ~8% tokens/s at concurrency 16.
-    side_process_nice: int = 10
-    warmup: bool = True
-    log_level: str = "info"
+    side_process_nice: int = field(
+        default=10, metadata=doc("niceness of the API, preprocess and detokenizer processes")
+    )
+    shutdown_timeout_s: float = field(
+        default=5.0, metadata=doc("seconds in-flight requests get on SIGTERM before they are aborted")
+    )
+    warmup: bool = field(
+        default=True, metadata=doc("a warm-up request (and the grammar tokenizer index) before /health turns 200")
+    )
+    log_level: str = field(
+        default="info", metadata=doc("the log level of every process", choices=("debug", "info", "warning", "error"))
+    )
 
     def __post_init__(self) -> None:
         if self.preprocess_workers < 1:
             raise ValueError("preprocess_workers must be >= 1")
-        if self.max_waiting_requests < 0:
-            raise ValueError("max_waiting_requests must be >= 0")
-        if self.limit_mm_per_prompt < 0 or self.limit_videos_per_prompt < 0:
-            raise ValueError("limit_mm_per_prompt must be >= 0 for every modality")
-        if self.log_stats_interval_s < 0:
-            raise ValueError("log_stats_interval_s must be >= 0")
-        if self.media_time_budget_s < 0 or self.max_concurrent_media_fetches < 1:
-            raise ValueError("media_time_budget_s must be >= 0 and max_concurrent_media_fetches >= 1")
-        if not self.video_fps > 0 or self.video_max_frames < 1:
-            raise ValueError("video_fps must be positive and video_max_frames at least 1")
-        from vlm_engine.server.apps import APPS
-        from vlm_engine.server.tool_parsers import TOOL_PARSERS
 
-        if self.app is not None and self.app not in APPS:
-            raise ValueError(f"app must be one of {sorted(APPS)}")
 
-        if self.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}")
+@dataclass(frozen=True)
+class ServerConfig(FlatOptions):
+    """`vlm-engine serve`'s whole configuration. `ServerConfig.from_flat(port=0, max_num_seqs=8)`
+    routes option names to their sections, the engine's included."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    web: WebConfig = field(default_factory=WebConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    process: ProcessConfig = field(default_factory=ProcessConfig)
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """The model id clients see and send."""
+        return self.engine.model.served_model_name or self.engine.model.model
 
     @property
     def replica(self) -> str:
         import socket
 
-        return self.replica_id or f"{socket.gethostname()}:{self.port}"
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "dtype": self.dtype,
-            "device": self.device,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "kv_cache_tokens": self.kv_cache_tokens,
-            "enable_prefix_cache": self.enable_prefix_cache,
-            "attention_backend": self.attention_backend,
-            "numerics": self.numerics,
-            "quantization": self.quantization,
-            "speculative": self.speculative,
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "speculative_ngram_max": self.speculative_ngram_max,
-            "speculative_disable_batch_size": self.speculative_disable_batch_size,
-            "speculative_draft_quantization": self.speculative_draft_quantization,
-        }
-        if self.max_model_len is not None:
-            kwargs["max_model_len"] = self.max_model_len
-        return kwargs
-
-    def media_limits(self) -> Any:
-        from preprocess.media import MediaLimits
-
-        return MediaLimits(
-            max_image_bytes=self.max_image_bytes,
-            max_video_bytes=self.max_video_bytes,
-            fetch_timeout_s=self.media_fetch_timeout_s,
-            video_fetch_timeout_s=self.video_fetch_timeout_s,
-            max_redirects=self.max_redirects,
-            allowed_local_media_path=self.allowed_local_media_path,
-            allow_private_urls=self.allow_private_media_urls,
-            allowed_domains=self.allowed_media_domains,
-        )
-
-    def video_limits(self) -> Any:
-        from preprocess.video import VideoLimits
-
-        return VideoLimits(
-            max_video_bytes=self.max_video_bytes,
-            max_duration_s=self.max_video_seconds,
-            max_decoded_pixels=self.max_video_pixels,
-        )
-
-    def video_sampling(self) -> Any:
-        from preprocess.video import VideoSampling
-
-        return VideoSampling(fps=self.video_fps, max_frames=self.video_max_frames)
+        return self.observability.replica_id or f"{socket.gethostname()}:{self.api.port}"

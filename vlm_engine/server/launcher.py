@@ -57,14 +57,14 @@ _RESTART_WINDOW_S = 60.0
 
 def serve(config: ServerConfig) -> int:
     """Run the server until a signal or a child failure; returns the process exit status."""
-    setup_logging(config.log_level)
+    setup_logging(config.process.log_level)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_dir = Path(tempfile.mkdtemp(prefix="vlm-engine-"))
     paths = ipc.IpcPaths(run_dir)
     children = ChildGroup()
     children.add("engine-core", "vlm_engine.server.engine_core:run_engine_core", config, paths)
     children.add("detokenizer", "vlm_engine.server.detokenizer_proc:run_detokenizer", config, paths)
-    for i in range(config.preprocess_workers):
+    for i in range(config.process.preprocess_workers):
         children.add(
             f"preprocess-{i}", "vlm_engine.server.preprocess_worker:run_preprocess_worker", config, paths, i,
             worker_index=i,
@@ -72,7 +72,7 @@ def serve(config: ServerConfig) -> int:
     try:
         children.start()
         # Only after the spawns: children inherit the niceness, and the core must keep priority 0.
-        lower_priority(config.side_process_nice)
+        lower_priority(config.process.side_process_nice)
         set_process_name("vlm-api")
         return asyncio.run(_serve_http(config, paths, children))
     finally:
@@ -196,29 +196,31 @@ async def _status_log(client: EngineClient, interval_s: float) -> None:
 
 
 async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: ChildGroup) -> int:
+    media, process = config.engine.media, config.process
     client = EngineClient(
         paths,
-        config.preprocess_workers,
-        fetcher=MediaFetcher(config.media_limits(), config.max_concurrent_media_fetches),
-        media_time_budget_s=config.media_time_budget_s or None,
+        config.process.preprocess_workers,
+        fetcher=MediaFetcher(media.fetch_limits(), media.max_concurrent_media_fetches),
+        media_time_budget_s=media.media_time_budget_s or None,
     )
     client.start()
     state = ServerState(config, client)
     observe_requests(state)
     uv_config = uvicorn.Config(
         build_app(state),
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
+        host=config.api.host,
+        port=config.api.port,
+        log_level=process.log_level,
         access_log=False,
         lifespan="off",
-        timeout_graceful_shutdown=int(config.shutdown_timeout_s) + 2,
+        timeout_graceful_shutdown=int(process.shutdown_timeout_s) + 2,
     )
-    server = _Server(uv_config, state, config.shutdown_timeout_s)
+    server = _Server(uv_config, state, process.shutdown_timeout_s)
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_watch(children, server))]
-    if config.log_stats and config.log_stats_interval_s > 0:
-        tasks.append(loop.create_task(_status_log(client, config.log_stats_interval_s)))
+    stats = config.observability
+    if stats.log_stats and stats.log_stats_interval_s > 0:
+        tasks.append(loop.create_task(_status_log(client, stats.log_stats_interval_s)))
     try:
         await server.serve()
     finally:

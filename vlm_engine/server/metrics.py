@@ -242,12 +242,12 @@ def observe_requests(state: Any) -> ServerMetrics:
             "preprocess_workers_ready": len(client.ready_workers),
         },
     )
-    if config.log_stats:
+    if config.observability.log_stats:
         client.tracker.sinks.append(metrics)
-    if config.request_log is not None:
+    if config.observability.request_log is not None:
         from vlm_engine.metrics.request_log import RequestLog
 
-        client.tracker.sinks.append(RequestLog(config.request_log, config.model_name, config.replica))
+        client.tracker.sinks.append(RequestLog(config.observability.request_log, config.model_name, config.replica))
         client.tracker.keep_token_ids = True
     state.metrics = metrics
     return metrics

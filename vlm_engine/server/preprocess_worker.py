@@ -2,7 +2,7 @@
 
 Chat template, tokenization, media fetch and decode, resize/normalize and content hashing all
 happen here (through `preprocess.prompt.PromptProcessor`), off the API server's event loop and off
-the engine core. Pixel tensors, token ids and M-RoPE positions leave as raw ZMQ frames.
+the engine core. Pixel tensors, token ids and a family's positions leave as raw ZMQ frames.
 Client mistakes become a `RequestError` (HTTP 400) sent straight to the API server.
 """
 
@@ -29,26 +29,27 @@ logger = logging.getLogger(__name__)
 
 def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int) -> None:
     """Child-process entry point."""
-    init_child(f"vlm-prep-{index}", config.log_level, side=True, nice=config.side_process_nice)
+    init_child(f"vlm-prep-{index}", config.process.log_level, side=True, nice=config.process.side_process_nice)
     from preprocess.video import FrameCache, select_video_device
     from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
-    source = resolve_model(config.model)
-    video_device, reason = select_video_device(config.video_device)
+    media = config.engine.media
+    source = resolve_model(config.engine.model.model)
+    video_device, reason = select_video_device(media.video_device)
     logger.info("preprocess worker %d: %s", index, reason)
     processor = prompt_processor(
         source,
         load_config(source),
         video_device,
-        limits=config.media_limits(),
-        max_images=config.limit_mm_per_prompt,
-        max_videos=config.limit_videos_per_prompt,
-        video_limits=config.video_limits(),
-        video_sampling=config.video_sampling(),
-        frame_cache=FrameCache(config.video_frame_cache_bytes),
+        limits=media.fetch_limits(),
+        max_images=media.limit_mm_per_prompt.image,
+        max_videos=media.limit_mm_per_prompt.video,
+        video_limits=media.video_limits(),
+        video_sampling=media.video_sampling(),
+        frame_cache=FrameCache(media.video_frame_cache_bytes),
     )
     checker = ConstraintChecker(processor)
-    if config.warmup:
+    if config.process.warmup:
         checker.compiler  # noqa: B018 - build the tokenizer index before the first request needs it
     worker = PreprocessWorker(processor, paths, index, checker)
     serve_forever("preprocess worker", worker.run, worker.close)

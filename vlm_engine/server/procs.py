@@ -6,7 +6,7 @@ orphans even after a SIGKILL of the parent), ignores SIGINT (a Ctrl-C reaches th
 group; the parent decides the shutdown order) and exits cleanly on SIGTERM.
 
 Side processes (API, preprocess, detokenizer) run at a lower priority (nice 10 by default, see
-`ServerConfig.side_process_nice`) with one torch thread: on a small CPU box a side process
+`ServerConfig.process.side_process_nice`) with one torch thread: on a small CPU box a side process
 competing at full priority made a 2-thread engine step up to 3.8x slower (shared/CPU-PERF.md);
 the engine core keeps normal priority and all of torch's threads.
 """
