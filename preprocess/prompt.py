@@ -291,6 +291,7 @@ CONTEXT_EXCEEDED = "context_length_exceeded"
 
 BUDGET_SPENT = "the request's media time budget ran out (too much media, or media too slow to load)"
 
+
 def _tool_fields(message: dict[str, Any], i: int) -> dict[str, Any]:
     """An assistant's `tool_calls` and a tool message's `tool_call_id`, in the form chat templates
     read (arguments as an object, as Transformers' tool-use format has them)."""

@@ -33,6 +33,12 @@ class ProcessedPrompt:
     positions: np.ndarray | None = None
     position_delta: int = 0
     text: str | None = None  # the rendered prompt, for logs and tests
+    # Rows of `positions` (1 for plain ones). A model with another number of rotary axes (a text draft
+    # model of an M-RoPE target) runs this prompt on plain positions: these are its family's.
+    position_axes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.position_axes = 1 if self.positions is None else len(self.positions)
 
     @property
     def media_spans(self) -> list[MediaSpan]:

@@ -11,7 +11,7 @@ the process that reads it, every writer connects a PUSH):
     worker ──WorkerReady / RequestError / PreprocessDone──> api
 
 A message is one msgpack frame (a tagged `msgspec.Struct`) followed by zero or more raw frames:
-token ids, M-RoPE positions and pixel tensors go as numpy buffers, zero-copy on both ends, never
+token ids, a family's rotary positions and pixel tensors go as numpy buffers, zero-copy on both ends, never
 pickled. `TensorMeta.frame` says which extra frame holds a tensor.
 
 Ids: the API gives each OpenAI request an id (`chatcmpl-…`, `cmpl-…`); every choice of it is one
@@ -95,7 +95,7 @@ class MediaMeta(msgspec.Struct, array_like=True):
 
 
 class EngineRequest(Message):
-    """A preprocessed prompt; frames hold token ids (int32), M-RoPE positions and pixels."""
+    """A preprocessed prompt; frames hold token ids (int32), the family's positions and pixels."""
 
     request_id: str
     sampling: SamplingParams

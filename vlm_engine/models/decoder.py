@@ -78,7 +78,9 @@ class DecoderModel(nn.Module):
             hidden = layer(hidden, cos, sin, ctx)
         return self.norm(hidden)
 
-    def _forward_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _forward_fused(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """Same arithmetic with each residual add fused into the norm that follows it."""
         fused = ctx.fused
         assert fused is not None
@@ -101,9 +103,7 @@ class CausalLM(nn.Module):
     # checkpoint name prefixes -> ours (Transformers' own names for the text stack)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(
-        self, config: Any, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None = None
-    ) -> None:
+    def __init__(self, config: Any, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None = None) -> None:
         super().__init__()
         self.config = config
         self.text_config = text_config

@@ -51,5 +51,3 @@ def mrope_positions(
     positions[:, cursor:] = np.arange(current, current + num_tokens - cursor)
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
     return positions, delta
-
-
