@@ -9,12 +9,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vlm_engine import ipc
 from vlm_engine.attention.backends import create_backend
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import DEFAULT_MODEL, EngineConfig
@@ -36,7 +37,6 @@ from vlm_engine.models.registry import (
 from vlm_engine.output_processor import OutputProcessor
 from vlm_engine.runner.model_runner import KVLayout, ModelRunner
 from vlm_engine.runner.sampler import SampledToken
-from vlm_engine import ipc
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 from vlm_engine.speculative import Speculator
@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 PromptInput = str | list[int] | ProcessedPrompt
+
+NONFINITE_LOGITS = "the model's logits for this request were not finite (NaN or inf); it was stopped"
+GRAMMAR_REJECTED = "the grammar rejected a sampled token; it was stopped"
 
 
 @dataclass
@@ -78,9 +81,9 @@ class TokenStep:
     plan: SchedulerOutput
     tokens: list[tuple[Request, list[SampledToken]]]
     stats: StepStats
-    # Requests the step aborted because their logits were not finite (NaN / inf): the rest of the
-    # batch went on.
-    nonfinite: list[Request] = field(default_factory=list)
+    # Requests that failed alone (logits not finite, a token the grammar rejected), with why: the
+    # scheduler finished them ("abort") and freed their pages; the rest of the batch went on.
+    failed: list[tuple[Request, str]] = field(default_factory=list)
 
 
 class StepFailed(RuntimeError):
@@ -92,27 +95,15 @@ class StepFailed(RuntimeError):
 
 
 class Engine:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_tokens: int | None = None,
-        enable_prefix_cache: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_tokens=kv_cache_tokens,
-            enable_prefix_cache=enable_prefix_cache,
-            **kwargs,
-        )
-        cfg = self.config
-        self.source = resolve_model(model)
+    def __init__(self, model: str | EngineConfig = DEFAULT_MODEL, **options: Any) -> None:
+        """`Engine("SmolLM2-135M-Instruct", dtype="float32", kv_cache_tokens=4096)`: any option of
+        `EngineConfig` by its name (`from_flat` finds its section), or a ready `EngineConfig`."""
+        if isinstance(model, EngineConfig) and options:
+            raise TypeError("pass a ready EngineConfig or options, not both")
+        self.config = model if isinstance(model, EngineConfig) else EngineConfig.from_flat(model=model, **options)
+        # `cfg` is the model section: most of the set-up reads it.
+        cfg, cache, sched, spec = self.config.model, self.config.cache, self.config.scheduler, self.config.speculative
+        self.source = resolve_model(cfg.model)
         self.hf_config = load_config(self.source)
         self.device = default_device(cfg.device)
         if self.device.type == "cpu":
@@ -130,32 +121,31 @@ class Engine:
             self.source, self.hf_config, self.dtype, self.device, fast and cfg.prepack_weights, panel_ops,
             cfg.quantization, quant_ops, self.bf16_weights,
         )
-        limits = {"limits": cfg.media_limits} if cfg.media_limits is not None else {}
-        self.processor = prompt_processor(self.source, self.hf_config, **limits)
+        self.processor = prompt_processor(self.source, self.hf_config, limits=self.config.media.fetch_limits())
         self.tokenizer = self.processor.tokenizer
         draft_model = None
-        if cfg.speculative and cfg.speculative.startswith("draft:"):
-            draft_model = self._build_draft_model(cfg.speculative.removeprefix("draft:"), fast, panel_ops)
+        if spec.draft_path is not None:
+            draft_model = self._build_draft_model(spec.draft_path, fast, panel_ops)
 
         layout = KVLayout.of(self.model)
         layouts = [layout] if draft_model is None else [layout, KVLayout.of(draft_model)]
         num_pages = self._num_pages(layouts)
         model_len = cfg.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
-        self.max_model_len = min(model_len, num_pages * cfg.page_size)
-        self.pool = PagePool(num_pages, cfg.page_size, cfg.enable_prefix_cache)
+        self.max_model_len = min(model_len, num_pages * cache.page_size)
+        self.pool = PagePool(num_pages, cache.page_size, cache.enable_prefix_cache)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                enable_chunked_prefill=sched.enable_chunked_prefill,
                 watermark_pages=max(0, num_pages // 100),
             ),
             self.pool,
         )
         backend = create_backend(cfg.attention_backend, self.device)
         self.runner = ModelRunner(
-            self.model, self.device, self.dtype, num_pages, cfg.page_size, backend, cfg.encoder_cache_bytes, fused
+            self.model, self.device, self.dtype, num_pages, cache.page_size, backend, cache.encoder_cache_bytes, fused
         )
         self.speculator = self._build_speculator(draft_model, num_pages, backend, fused)
         self.eos_token_ids = self._eos_token_ids()
@@ -169,8 +159,8 @@ class Engine:
             "%d KV pages x %d tokens, max_model_len %d, speculative %s",
             self.source.name, self.dtype, cfg.numerics,
             cfg.quantization or ("bf16 (fp32 activations)" if self.bf16_weights else "unquantized"), backend.name,
-            fused is not None, tier_description(), num_pages, cfg.page_size, self.max_model_len,
-            f"{cfg.speculative} k={cfg.num_speculative_tokens}" if cfg.speculative else "off",
+            fused is not None, tier_description(), num_pages, cache.page_size, self.max_model_len,
+            f"{spec.speculative} k={spec.num_speculative_tokens}" if spec.speculative else "off",
         )
 
     # ---- set-up helpers ----------------------------------------------------------------------
@@ -184,22 +174,23 @@ class Engine:
             raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
         # Same dtype and kernels as the target; optionally weight-only quantized, which makes the
         # target's own weights a draft (int4 of a Q4_1 GGUF keeps its codes: it agrees nearly always).
-        quantization = self.config.speculative_draft_quantization
+        quantization = self.config.speculative.speculative_draft_quantization
         return build_model(
-            source, config, self.dtype, self.device, fast and self.config.prepack_weights, panel_ops,
+            source, config, self.dtype, self.device, fast and self.config.model.prepack_weights, panel_ops,
             quantization, load_fused_ops() if quantization else None, self.bf16_weights,
         )  # fmt: skip
 
     def _build_speculator(self, draft_model: Any, num_pages: int, backend: Any, fused: Any) -> Speculator | None:
-        cfg = self.config
+        cfg = self.config.speculative
         if not cfg.speculative:
             return None
         proposer: Any
         if draft_model is not None:
             from vlm_engine.speculative.draft_model import DraftModelProposer
 
+            page_size = self.config.cache.page_size
             draft_runner = ModelRunner(
-                draft_model, self.device, self.dtype, num_pages, cfg.page_size, backend, 0, fused, merge_media=False
+                draft_model, self.device, self.dtype, num_pages, page_size, backend, 0, fused, merge_media=False
             )
             proposer = DraftModelProposer(draft_runner)
         else:
@@ -211,7 +202,7 @@ class Engine:
         return speculator
 
     def _num_pages(self, layouts: list[KVLayout]) -> int:
-        cfg = self.config
+        cfg = self.config.cache
         if cfg.kv_cache_tokens is not None:
             return -(-cfg.kv_cache_tokens // cfg.page_size)
         per_page = sum(layout.bytes_per_token(self.dtype) for layout in layouts) * cfg.page_size
@@ -268,19 +259,17 @@ class Engine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (PromptError, RequestRejected) for input that can never run."""
+        """Queue a request (a prompt already processed too: the server's core passes the worker's);
+        raises ValueError (PromptError, RequestRejected, StructuredOutputError) for input that can
+        never run, before anything is allocated."""
         processed = self.process_prompt(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        request = self.make_request(request_id, processed, sampling or SamplingParams())
-        self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, request.sampling.stop)
-        if request.sampling.logprobs is not None:
-            self._logprobs[request_id] = []
+        self.scheduler.add_request(self._make_request(request_id, processed, sampling or SamplingParams()))
         return request_id
 
-    def make_request(self, request_id: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Request:
+    def _make_request(self, request_id: str, prompt: ProcessedPrompt, sampling: SamplingParams) -> Request:
         """A scheduler request with its per-request state (grammar matcher); raises
-        StructuredOutputError for a constraint that cannot be enforced, before anything is allocated."""
+        StructuredOutputError for a constraint that cannot be enforced."""
         request = Request(request_id=request_id, prompt=prompt, sampling=sampling, eos_token_ids=self.eos_token_ids)
         spec: StructuredOutput | None = sampling.structured_output
         if spec is not None:
@@ -288,20 +277,51 @@ class Engine:
         return request
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        request = self.scheduler.abort(request_id)
-        if request is None:
-            return None
-        return self._output(request, [])
+        """Abort one request; its final output, or None when it is unknown or already finished."""
+        finished = self.scheduler.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED)
+        return self._on_tokens(finished[0], []) if finished else None
+
+    def abort_requests(self, request_ids: Iterable[str], stop_string: bool = False) -> list[Request]:
+        """Finish requests from outside the step loop, freeing their pages: aborted (the client
+        left) or, with `stop_string`, ended by a stop string found in their text ("stop"). Unknown
+        and finished ids are skipped; returns the requests finished, in order."""
+        status = RequestStatus.FINISHED_STOPPED if stop_string else RequestStatus.FINISHED_ABORTED
+        return self._forget_text(self.scheduler.finish_requests(request_ids, status))
+
+    def fail_batch(self, plan: SchedulerOutput) -> list[Request]:
+        """The forward pass of `plan` failed (`StepFailed.plan`): abort that batch's requests,
+        freeing their pages; everyone else keeps running. Returns the requests aborted."""
+        ids = [chunk.request.request_id for chunk in plan.chunks]
+        return self._forget_text(self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED))
+
+    def _forget_text(self, requests: list[Request]) -> list[Request]:
+        for request in requests:  # finished without a last output: no text state may outlive them
+            self._outputs.drop(request.request_id)
+        return requests
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # ---- one step: schedule -> execute -> update ---------------------------------------------
+
     def step_tokens(self) -> TokenStep | None:
         """Plan a batch, run it, apply its sampled tokens; None when nothing could be scheduled.
 
-        The one place a step's tokens are applied (grammar matchers, scheduler progress, stops),
-        shared by `step()` and the server's engine core. Raises StepFailed if the forward pass fails.
+        The one token-level step, shared by `step()` and the server's engine core: grammar
+        matchers advance here and every finish a step decides happens in the scheduler's update.
+        Raises StepFailed if the forward pass fails (the caller decides: `fail_batch`).
         """
         t0 = time.perf_counter()
         speculator = self.speculator
@@ -320,42 +340,41 @@ class Engine:
         except Exception as exc:
             raise StepFailed(plan) from exc
         t3 = time.perf_counter()
-        if speculator is not None:
+        tokens, failed = self._update(plan, sampled)
+        t4 = time.perf_counter()
+        runner = self.runner
+        stats = StepStats(
+            num_tokens=plan.num_tokens,
+            num_seqs=len(plan.chunks),
+            schedule_s=t1 - t0,
+            propose_s=t2 - t1,
+            forward_s=t3 - t2,
+            update_s=t4 - t3,
+            mask_s=runner.last_mask_s,
+            mask_wait_s=runner.last_mask_wait_s,
+            num_decode_tokens=sum(  # drafts included
+                c.num_tokens for c in plan.chunks if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
+            ),
+            num_cached_tokens=plan.num_cached_tokens,
+            num_generated_tokens=sum(len(t) for _, t in tokens),
+            num_preemptions=len(plan.preempted),
+        )  # fmt: skip
+        self.last_step = stats
+        return TokenStep(plan, tokens, stats, failed)
+
+    def _update(
+        self, plan: SchedulerOutput, sampled: dict[str, list[SampledToken]]
+    ) -> tuple[list[tuple[Request, list[SampledToken]]], list[tuple[Request, str]]]:
+        """Hand the step's results to the scheduler's update: the tokens each request takes (its
+        grammar's verdict included) and the requests that failed alone. Returns the tokens actually
+        appended, in chunk order, and the failed requests with the reason."""
+        if self.speculator is not None:
             for chunk in plan.chunks:
                 if chunk.draft and chunk.request.request_id in sampled:
-                    speculator.observe(chunk, len(sampled[chunk.request.request_id]))
-        nonfinite = self._abort_nonfinite(plan, self.runner.last_nonfinite)
-        tokens = self._apply_tokens(plan, sampled)
-        t4 = time.perf_counter()
-        stats = StepStats(
-            plan.num_tokens, len(plan.chunks), t1 - t0, t2 - t1, t3 - t2, t4 - t3,
-            self.runner.last_mask_s, self.runner.last_mask_wait_s,
-        )
-        self.last_step = stats
-        return TokenStep(plan, tokens, stats, nonfinite)
-
-    def _abort_nonfinite(self, plan: SchedulerOutput, request_ids: list[str]) -> list[Request]:
-        """Abort the requests whose logits came out NaN or infinite (there is nothing to sample):
-        they fail alone, their pages freed, and the batch's other requests keep their tokens."""
-        if not request_ids:
-            return []
-        failed = set(request_ids)
-        aborted = []
-        for chunk in plan.chunks:
-            request = chunk.request
-            if request.request_id in failed and not request.status.finished:
-                logger.error(
-                    "request %s: the model's logits were not finite (NaN or inf); aborting it", request.request_id
-                )
-                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-                aborted.append(request)
-        return aborted
-
-    def _apply_tokens(
-        self, plan: SchedulerOutput, sampled: dict[str, list[SampledToken]]
-    ) -> list[tuple[Request, list[SampledToken]]]:
+                    self.speculator.observe(chunk, len(sampled[chunk.request.request_id]))
+        failed = self._nonfinite(plan, self.runner.last_nonfinite)
         applied: list[tuple[Request, list[SampledToken]]] = []
-        rejected: list[Request] = []
+        token_ids: dict[str, list[int]] = {}
         for chunk in plan.chunks:
             request = chunk.request
             tokens = sampled.get(request.request_id)
@@ -363,26 +382,35 @@ class Engine:
                 continue
             if request.grammar is not None:
                 tokens = self._accept_constrained(request, tokens)
-                if tokens is None:
-                    rejected.append(request)
+                if tokens is None:  # a token outside the mask: a bug, never silently invalid output
+                    logger.error("request %s: the grammar rejected a sampled token; aborting it", request.request_id)
+                    failed.append((request, GRAMMAR_REJECTED))
                     continue
             applied.append((request, tokens))
-        for request in rejected:  # a token outside the mask: a bug, never silently invalid output
-            logger.error("request %s: the grammar rejected a sampled token; aborting it", request.request_id)
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        before = {request.request_id: request.num_tokens for request, _ in applied}
-        self.scheduler.update(plan, {request.request_id: [t.token_id for t in tokens] for request, tokens in applied})
-        for index, (request, tokens) in enumerate(applied):
-            taken = request.num_tokens - before[request.request_id]
-            if request.status.finished and taken < len(tokens):  # a stop token or the length limit came first
-                applied[index] = (request, tokens[: max(taken, 1)])
-            if request.grammar is None or not request.grammar.is_stopped:
-                continue
-            if not request.status.finished:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
-            elif request.status is RequestStatus.FINISHED_LENGTH:
-                request.status = RequestStatus.FINISHED_STOPPED  # completed on its last budgeted token
-        return applied
+            token_ids[request.request_id] = [t.token_id for t in tokens]
+        finished = self.scheduler.update(plan, token_ids, [request.request_id for request, _ in failed])
+        if finished:  # a stop token or the length limit may have come before a step's last token
+            for index, (request, tokens) in enumerate(applied):
+                taken = len(token_ids[request.request_id])
+                if taken < len(tokens):
+                    applied[index] = (request, tokens[:taken])
+        return applied, failed
+
+    def _nonfinite(self, plan: SchedulerOutput, request_ids: list[str]) -> list[tuple[Request, str]]:
+        """Requests whose logits came out NaN or infinite (there is nothing to sample): they fail
+        alone, and the batch's other requests keep their tokens."""
+        if not request_ids:
+            return []
+        ids = set(request_ids)
+        failed = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.request_id in ids and not request.status.finished:
+                logger.error(
+                    "request %s: the model's logits were not finite (NaN or inf); aborting it", request.request_id
+                )
+                failed.append((request, NONFINITE_LOGITS))
+        return failed
 
     def _accept_constrained(self, request: Request, tokens: list[SampledToken]) -> list[SampledToken] | None:
         """Advance the grammar over a step's tokens; None if it rejects one. A token the closer
@@ -400,6 +428,8 @@ class Engine:
                 break
         return taken
 
+    # ---- in-process outputs and stats ----------------------------------------------------------
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every request that produced tokens."""
         result = self.step_tokens()
@@ -407,55 +437,77 @@ class Engine:
             return []
         t0 = time.perf_counter()
         outputs = [self._on_tokens(request, tokens) for request, tokens in result.tokens]
-        outputs += [self._on_tokens(request, []) for request in result.nonfinite]  # finish_reason "abort"
+        outputs += [self._on_tokens(request, []) for request, _ in result.failed]  # finish_reason "abort"
         result.stats.update_s += time.perf_counter() - t0
+        self.record_step(result)
         return outputs
 
     def _on_tokens(self, request: Request, tokens: list[SampledToken]) -> RequestOutput:
+        """A request's new tokens through the output processor; a stop string it finds in the text
+        ends the request in the scheduler (the step's later tokens never happened)."""
         rid = request.request_id
-        detok = self._detokenizers[rid]
-        shown: list[int] = []
-        for i, token in enumerate(tokens):
-            shown.append(token.token_id)
-            if rid in self._logprobs:
-                self._logprobs[rid].append(TokenLogprob(token.token_id, token.logprob or 0.0, token.top_logprobs or []))
-            is_stop_token = request.stop_token_id == token.token_id and i == len(tokens) - 1
-            if not is_stop_token and detok.add([token.token_id]):
-                # A stop string ended the text: the step's later tokens never happened.
-                dropped = len(tokens) - 1 - i
-                if dropped:
-                    del request.token_ids[-dropped:]
-                    request.stop_token_id = None
-                if not request.status.finished:
-                    self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-                elif dropped:
-                    request.status = RequestStatus.FINISHED_STOPPED  # it stopped before the limit it hit
-                break
-        return self._output(request, shown)
-
-    def _output(self, request: Request, new_ids: list[int]) -> RequestOutput:
-        rid = request.request_id
+        sampling = request.sampling
+        outputs = self._outputs
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = [TokenLogprob(t.token_id, t.logprob or 0.0, t.top_logprobs or []) for t in tokens]
+        ids = [t.token_id for t in tokens]
         finished = request.status.finished
-        detok = self._detokenizers[rid]
-        new_text = detok.take_delta(finished)
-        stop_reason: str | int | None = detok.stopped_on if detok.stopped_on is not None else request.stop_token_id
-        out = RequestOutput(
+        reason, stop_token = (request.finish_reason, request.stop_token_id) if finished else (None, None)
+        text = outputs.process(rid, ids, logprobs, finished, reason, stop_token)
+        if text is None:  # its first output: the stream starts here (the server's core never makes one)
+            outputs.add_request(rid, sampling.stop, request.num_prompt_tokens, sampling.logprobs is not None)
+            text = outputs.process(rid, ids, logprobs, finished, reason, stop_token)
+            assert text is not None
+        if text.stop_string is not None:
+            self.scheduler.end_at_stop_string(request, request.num_output_tokens - len(tokens) + len(text.token_ids))
+            outputs.drop(rid)
+        return RequestOutput(
             request_id=rid,
             token_ids=request.output_token_ids,
-            text=detok.text,
-            finished=finished,
+            text=text.text,
+            finished=request.status.finished,
             finish_reason=request.finish_reason,
             prompt_tokens=request.num_prompt_tokens,
             cached_tokens=request.num_cached_tokens,
-            new_token_ids=new_ids,
-            new_text=new_text,
-            logprobs=self._logprobs.get(rid),
-            stop_reason=stop_reason,
+            new_token_ids=text.token_ids,
+            new_text=text.delta,
+            logprobs=text.history,
+            stop_reason=text.stop_string if text.stop_string is not None else request.stop_token_id,
         )
-        if finished:
-            self._detokenizers.pop(rid, None)
-            self._logprobs.pop(rid, None)
-        return out
+
+    def record_step(self, step: TokenStep, histograms: bool = False) -> None:
+        """Add a step to the cumulative stats of `make_stats()` (`step()` does; the server's core,
+        which adds the time it spent on its outputs to `step.stats.update_s`, too). `histograms`:
+        also the per-step histograms."""
+        spec = None if self.speculator is None else self.speculator.stats.last_step_lengths
+        self._recorder.record(step.stats, spec, histograms)
+
+    def make_stats(self) -> ipc.CoreStats:
+        """The engine's numbers in one record: counters over the steps recorded since the last
+        `reset_counters()`, gauges as they are now. The record is live: encode or copy it before
+        the next step."""
+        s = self._recorder.stats
+        pool, sched, media = self.pool, self.scheduler, self.runner.encoder_cache
+        s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
+        s.running, s.waiting = len(sched.running), len(sched.waiting)
+        s.prompt_tokens = sched.num_prompt_tokens
+        s.prefix_cache_queries, s.cached_prompt_tokens = sched.num_prefix_queries, sched.num_prefix_hits
+        s.mm_cache_hits, s.mm_cache_queries = media.hits, media.hits + media.misses
+        if self.speculator is not None:
+            spec = self.speculator.stats
+            s.spec_drafts, s.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            s.spec_accepted_tokens = spec.num_accepted_tokens
+        return s
+
+    def reset_counters(self) -> None:
+        """Start every counter from zero (the server does after its warm-up): steps, admissions and
+        the prefix cache's, the vision-encoder cache's, speculation's."""
+        self._recorder.reset()
+        self.scheduler.reset_counters()
+        self.runner.encoder_cache.reset_counters()
+        if self.speculator is not None:
+            self.speculator.reset_counters()
 
     # ---- batch conveniences -----------------------------------------------------------------
 

@@ -159,7 +159,8 @@ class ModelRunner:
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, argmax: list[int], row: int) -> list[SampledToken]:
         request, draft = chunk.request, chunk.draft
         rows = slice(row, row + len(draft) + 1)
-        draft_probs = request.runner_state.pop("draft_probs", None)
+        state = request.runner_state
+        draft_probs, state.draft_probs = state.draft_probs, None  # this step's draft only
         params = request.sampling
         if params.greedy:
             tokens = verify_greedy(argmax[rows], draft)
@@ -203,7 +204,7 @@ class ModelRunner:
         """The step's inputs when every chunk is one sampling token past its prompt (a plain decode
         step), from Python ints: the general path's per-request numpy arrays cost ~10 us a request
         (0.8 ms of a batch-64 step). None for any other step."""
-        ps = self.page_size
+        ps, axes = self.page_size, self.position_axes
         input_ids: list[int] = []
         slots: list[int] = []
         positions: list[int] = []
@@ -217,7 +218,8 @@ class ModelRunner:
             pages = request.page_ids
             input_ids.append(request.token_ids[pos])
             slots.append(pages[pos // ps] * ps + pos % ps)
-            positions.append(pos + request.prompt.position_delta)  # as _positions(): 0 without family positions
+            prompt = request.prompt  # as _positions(): its delta is 0 without family positions
+            positions.append(pos + prompt.position_delta if prompt.position_axes == axes else pos)
             seq_lens.append(pos + 1)
             page_lists.append(pages)
         n = len(chunks)
@@ -289,7 +291,8 @@ class ModelRunner:
 
     def _positions(self, request: Request, pos: np.ndarray) -> np.ndarray:
         prompt = request.prompt
-        if prompt.positions is None:  # plain positions (on every rotary axis)
+        # Plain positions (on every rotary axis): no family positions, or another family's (a draft's target).
+        if prompt.positions is None or prompt.position_axes != self.position_axes:
             return pos if self.position_axes == 1 else np.broadcast_to(pos, (self.position_axes, len(pos)))
         n_prompt = request.num_prompt_tokens
         if pos[-1] < n_prompt:
@@ -304,12 +307,11 @@ class ModelRunner:
     def generator(self, request: Request) -> torch.Generator:
         if request.sampling.seed is None:
             return self.default_generator
-        gen = request.runner_state.get("generator")
-        if gen is None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(request.sampling.seed)
-            request.runner_state["generator"] = gen
-        return gen
+        state = request.runner_state
+        if state.generator is None:
+            state.generator = torch.Generator(device="cpu")
+            state.generator.manual_seed(request.sampling.seed)
+        return state.generator
 
     # ---- media -----------------------------------------------------------------------------
 
@@ -320,7 +322,7 @@ class ModelRunner:
         row_base = 0
         for chunk in chunks:
             request = chunk.request
-            store = request.runner_state.setdefault("media_embeddings", {})
+            store = request.runner_state.media_embeddings
             for index, item in enumerate(request.prompt.media):
                 lo, hi = max(chunk.start, item.span.offset), min(chunk.end, item.span.end)
                 if lo >= hi:
@@ -339,15 +341,15 @@ class ModelRunner:
             )
             for (request, index, item), emb in zip(missing, outputs):
                 emb = emb.to(self.dtype)
-                request.runner_state["media_embeddings"][index] = emb
+                request.runner_state.media_embeddings[index] = emb
                 self.encoder_cache.put(item.span.content_hash, emb)
         for shift, request, index, lo, hi in overlaps:
             item = request.prompt.media[index]
-            emb = request.runner_state["media_embeddings"][index]
+            emb = request.runner_state.media_embeddings[index]
             hidden[shift + lo : shift + hi] = emb[lo - item.span.offset : hi - item.span.offset]
         # Drop per-request references to media this step finished consuming.
         for chunk in chunks:
-            store = chunk.request.runner_state.get("media_embeddings")
+            store = chunk.request.runner_state.media_embeddings
             if store:
                 for index in [j for j in store if chunk.request.prompt.media[j].span.end <= chunk.end]:
                     del store[index]

@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the scheduler holds these for the runner; it never touches a tensor
+    import torch
 
 
 class RequestStatus(enum.Enum):
@@ -22,6 +25,38 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class RunnerState:
+    """What the model runner and speculative decoding keep per request, between steps.
+
+    The scheduler names none of these fields: it calls `on_preempt()` when it frees the request's
+    pages for recomputation and `on_finish()` when the request retires. Each hook resets what its
+    owner's state no longer describes once that happens.
+    """
+
+    # The runner's: the generator of a seeded request (its draws follow the request, not the batch),
+    # and vision-encoder outputs of this prompt's media not yet consumed, by media index.
+    generator: torch.Generator | None = None
+    media_embeddings: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Speculative decoding's: the proposer's distribution q over this step's draft ([len(draft), V],
+    # sampled requests of a draft model; the runner's verification takes it), and how many positions
+    # of the request a draft model's KV holds.
+    draft_probs: torch.Tensor | None = None
+    draft_computed: int = 0
+
+    def on_preempt(self) -> None:
+        """The request's KV pages were freed: it is recomputed from its tokens when it runs again."""
+        self.media_embeddings = {}  # re-encoded (or found in the encoder cache) with its prompt
+        self.draft_computed = 0  # a draft model's KV went with the pages
+
+    def on_finish(self) -> None:
+        """The request retired: drop everything it held (tensors first of all)."""
+        self.generator = None
+        self.media_embeddings = {}
+        self.draft_probs = None
+        self.draft_computed = 0
 
 
 @dataclass(eq=False)
@@ -42,8 +77,8 @@ class Request:
     page_keys: list[int] = field(default_factory=list)  # prefix-cache keys of full pages, a hash chain
     num_registered_pages: int = 0
     stop_token_id: int | None = None  # the token that ended it, when one did
-    # Runner-side state that lives as long as the request (sampling generator, encoder outputs).
-    runner_state: dict[str, Any] = field(default_factory=dict)
+    # The runner's and the speculator's state that lives as long as the request (typed, with hooks).
+    runner_state: RunnerState = field(default_factory=RunnerState)
     # The structured-output matcher (vlm_engine.structured.grammar.GrammarMatcher) when constrained;
     # its state follows the output tokens, so it survives preemption unchanged.
     grammar: Any = None

@@ -10,6 +10,11 @@ One `schedule()` call plans one forward step under a token budget:
 `update()` then advances progress, publishes newly full pages to the prefix cache, appends
 sampled tokens and retires finished requests, returning their pages at once.
 
+A request's life ends here and nowhere else: `update()` finishes what a step decided (a stop
+token, the length limit, a completed grammar, a request that failed alone), and
+`finish_requests()` what comes from outside a step (aborts, a stop string found in the text, a
+failed batch). Both free through `_finish`.
+
 Speculative decoding (vlm_engine.speculative) adds one thing: a decoding request may reserve
 `lookahead` KV slots past its last token; the engine fills them with proposed tokens before the
 forward pass, which verifies them all at once. `update()` then keeps the KV of the accepted
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from vlm_engine.cache.page_hash import page_hashes
@@ -138,13 +143,35 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
-        request = self.requests.get(request_id)
-        if request is None or request.status.finished:
-            return None
-        self.finish(request, RequestStatus.FINISHED_ABORTED)
-        return request
+        finished = self.finish_requests((request_id,), RequestStatus.FINISHED_ABORTED)
+        return finished[0] if finished else None
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests from outside a step: aborts (the client left), a stop string the output
+        processor found, a batch whose forward pass failed. Ids unknown or already finished are
+        skipped; returns the requests finished, in the order given."""
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+                finished.append(request)
+        return finished
+
+    def end_at_stop_string(self, request: Request, num_output_tokens: int) -> None:
+        """A stop string ended the text at output token `num_output_tokens`: the tokens after it
+        never happened (a speculative step can run past it), and the request ends with "stop",
+        also one that this step had already finished by a stop token or its length limit."""
+        dropped = request.num_output_tokens - num_output_tokens
+        if dropped > 0:
+            del request.token_ids[-dropped:]
+            request.stop_token_id = None
+        if request.status.finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.finish_requests((request.request_id,), RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a request and return its pages to the pool right away."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -153,7 +180,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self._release_pages(request)
-        request.runner_state.clear()
+        request.runner_state.on_finish()
         del self.requests[request.request_id]
 
     @property
@@ -278,8 +305,7 @@ class Scheduler:
         self._release_pages(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        request.runner_state.pop("media_embeddings", None)
-        request.runner_state.pop("draft_computed", None)  # a draft model's KV went with the pages
+        request.runner_state.on_preempt()
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
@@ -291,13 +317,19 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Apply one step's results; `sampled` maps request id -> new tokens for sampling chunks.
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], aborted: Iterable[str] = ()) -> list[Request]:
+        """Apply one step's results and retire the requests it finished; returns those.
 
-        A speculative chunk's tokens are its accepted draft prefix followed by one sampled token;
-        only the accepted prefix's KV is kept, and pages past the last token are given back.
+        `sampled` maps request id -> new tokens for sampling chunks. A speculative chunk's tokens
+        are its accepted draft prefix followed by one sampled token; only the accepted prefix's KV
+        is kept, and pages past the last token are given back. When a stop token or the length
+        limit ends a request, its list is cut to the tokens appended. `aborted` names requests
+        that failed alone this step (logits not finite, a token the grammar rejected): they finish
+        first, with "abort". A constrained request whose grammar is complete finishes with "stop",
+        also when that token reached its length limit.
         """
-        finished = []
+        finished = self.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        completed: list[Request] = []  # grammar complete: retired after the step's other tokens
         now = time.monotonic()
         for chunk in out.chunks:
             request = chunk.request
@@ -312,6 +344,7 @@ class Scheduler:
                 raise ValueError(f"request {request.request_id}: tokens {tokens} do not extend the draft {chunk.draft}")
             if request.first_token_time is None:
                 request.first_token_time = now
+            before = request.num_tokens
             status = None
             for token in tokens:
                 status = request.append_token(token)
@@ -320,11 +353,21 @@ class Scheduler:
             # Every token but the newest has its KV computed (the known ones and the accepted draft).
             request.num_computed_tokens = request.num_tokens - 1
             self._register_full_pages(request)
+            grammar_done = request.grammar is not None and request.grammar.is_stopped
             if status is not None:
-                self.finish(request, status)
+                del tokens[request.num_tokens - before :]
+                if grammar_done and status is RequestStatus.FINISHED_LENGTH:
+                    status = RequestStatus.FINISHED_STOPPED  # completed on its last budgeted token
+                self._finish(request, status)
                 finished.append(request)
-            elif chunk.num_lookahead:
+                continue
+            if chunk.num_lookahead:
                 self._trim_pages(request)
+            if grammar_done:
+                completed.append(request)
+        for request in completed:  # nothing but EOS could follow: stop now, not a step later
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            finished.append(request)
         return finished
 
     def _trim_pages(self, request: Request) -> None:

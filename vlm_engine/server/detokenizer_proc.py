@@ -1,22 +1,22 @@
 """The detokenizer process: token ids from the engine core -> text deltas for the API server.
 
-It runs `IncrementalDetokenizer` per request (stop strings, held-back partial stop strings and
-incomplete UTF-8), turns logprob token ids into strings, and counts completion tokens. When a
-stop string ends a request it reports "stop" to the API at once and tells the core to finish the
-request (the core then frees its pages); tokens the core produced in between are dropped.
+It runs the output processor `Engine.step()` runs in-process (vlm_engine.output_processor:
+incremental text, stop strings and held-back partial ones, incomplete UTF-8, logprob strings,
+completion token counts). When a stop string ends a request it reports "stop" to the API at once
+and tells the core to finish the request (the core then frees its pages); tokens the core produced
+in between are dropped.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 
 from vlm_engine import ipc
-from vlm_engine.detokenizer import IncrementalDetokenizer
+from vlm_engine.output_processor import OutputProcessor
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
 
@@ -33,32 +33,27 @@ def load_tokenizer(model: str) -> Any:
 
 def run_detokenizer(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
-    init_child("vlm-detok", config.log_level, side=True, nice=config.side_process_nice)
-    proc = DetokenizerProcess(load_tokenizer(config.model), paths)
+    init_child("vlm-detok", config.process.log_level, side=True, nice=config.process.side_process_nice)
+    proc = DetokenizerProcess(load_tokenizer(config.engine.model.model), paths)
     serve_forever("detokenizer", proc.run, proc.close)
 
 
-@dataclass
-class _Stream:
-    detok: IncrementalDetokenizer
-    params: ipc.DetokParams
-    completion_tokens: int = 0
-    done: bool = False  # a stop string ended it here; waiting for the core's final output
-    timing: ipc.RequestTiming | None = None  # the core's, from the first token on
-
-
 class Detokenizer:
-    """Socket-free logic, so it can be tested in-process."""
+    """Socket-free logic, so it can be tested in-process: engine outputs -> API deltas through the
+    output processor `Engine.step()` uses, plus the core's timings."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.streams: dict[str, _Stream] = {}
-        self._token_text: dict[int, str] = {}
+        self.outputs = OutputProcessor(tokenizer)
+        self._timings: dict[str, ipc.RequestTiming] = {}  # the core's, from a request's first token on
+
+    @property
+    def streams(self) -> dict[str, Any]:
+        return self.outputs.streams
 
     def process(self, msg: ipc.EngineOutputs) -> tuple[ipc.ApiOutputs, list[str]]:
         """Returns what to send to the API and the request ids a stop string just finished."""
         for params in msg.added:
-            self.streams[params.request_id] = _Stream(IncrementalDetokenizer(self.tokenizer, params.stop), params)
+            self.outputs.add_request(params.request_id, params.stop, params.prompt_tokens)
         deltas: list[ipc.Delta] = []
         stopped: list[str] = []
         for out in msg.outputs:
@@ -66,72 +61,36 @@ class Detokenizer:
             if delta is not None:
                 deltas.append(delta)
         for err in msg.errors:
-            self.streams.pop(err.request_id, None)
+            self.outputs.drop(err.request_id)
+            self._timings.pop(err.request_id, None)
         return ipc.ApiOutputs(deltas=deltas, errors=msg.errors, stats=msg.stats), stopped
 
     def _on_output(self, out: ipc.TokenOutput, stopped: list[str], sent: float) -> ipc.Delta | None:
-        stream = self.streams.get(out.request_id)
-        if stream is None:
-            return None
-        if stream.done:
-            if out.finished:
-                del self.streams[out.request_id]
+        rid = out.request_id
+        step = self.outputs.process(
+            rid, out.new_token_ids, out.logprobs, out.finished, out.finish_reason, out.stop_token_id
+        )
+        if step is None:  # unknown, or a stop string ended it and this is the core catching up
             return None
         if out.timing is not None:
-            stream.timing = out.timing
-        ids = out.new_token_ids
-        text_ids = ids
-        if out.stop_token_id is not None and ids and ids[-1] == out.stop_token_id:
-            text_ids = ids[:-1]  # EOS / stop tokens end the text, they are not part of it
-        logprobs = out.logprobs
-        if len(text_ids) > 1 and stream.detok.stop:  # several tokens (speculative decoding): stop where the text does
-            hit_stop = False
-            for n, token_id in enumerate(text_ids, start=1):
-                if stream.detok.add([token_id]):
-                    hit_stop, ids = True, ids[:n]  # tokens after the stop string never happened
-                    logprobs = logprobs[:n] if logprobs else logprobs
-                    break
-        else:
-            hit_stop = stream.detok.add(text_ids) if text_ids else False
-        stream.completion_tokens += len(ids)
-        finished, reason = out.finished, out.finish_reason
-        if hit_stop:
-            if not finished:
-                stopped.append(out.request_id)
-                stream.done = True
-                if stream.timing is not None:  # finished here, when the core sent this token
-                    stream.timing = msgspec.structs.replace(stream.timing, finished=sent)
-            finished, reason = True, "stop"
-        if finished and not stream.done:
-            del self.streams[out.request_id]
+            self._timings[rid] = out.timing
+        timing = self._timings.pop(rid, None) if step.finished else None
+        if step.stop_string is not None and not out.finished:  # the core still runs it: tell it to stop
+            stopped.append(rid)
+            if timing is not None:  # finished here, when the core sent this token
+                timing = msgspec.structs.replace(timing, finished=sent)
         return ipc.Delta(
-            request_id=out.request_id,
-            text=stream.detok.take_delta(finished),
-            finished=finished,
-            finish_reason=reason,
-            prompt_tokens=stream.params.prompt_tokens,
+            request_id=rid,
+            text=step.delta,
+            finished=step.finished,
+            finish_reason=step.finish_reason,
+            prompt_tokens=step.prompt_tokens,
             cached_tokens=out.cached_tokens,
-            completion_tokens=stream.completion_tokens,
-            logprobs=self._logprobs(logprobs) if logprobs else None,
-            token_ids=ids,
-            timing=stream.timing if finished else None,
+            completion_tokens=step.completion_tokens,
+            logprobs=self.outputs.logprob_entries(step.logprobs) if step.logprobs else None,
+            token_ids=step.token_ids,
+            timing=timing,
         )
-
-    def _logprobs(self, sampled: list[ipc.SampledLogprob]) -> list[ipc.LogprobEntry]:
-        entries = []
-        for s in sampled:
-            token = self._text(s.token_id)
-            top = [ipc.TopLogprob(t := self._text(tid), lp, list(t.encode())) for tid, lp in s.top]
-            entries.append(ipc.LogprobEntry(token, s.logprob, list(token.encode()), top))
-        return entries
-
-    def _text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-            if len(self._token_text) < 200_000:
-                self._token_text[token_id] = text
-        return text
 
 
 class DetokenizerProcess:

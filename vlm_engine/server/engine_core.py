@@ -27,7 +27,7 @@ from vlm_engine.engine import Engine, StepFailed
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
 from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.scheduler import RequestRejected, RequestStatus
+from vlm_engine.scheduler import RequestRejected
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
 from vlm_engine.structured.spec import StructuredOutputError
@@ -40,7 +40,7 @@ _IDLE_POLL_MS = 500  # idle wake-up period, to notice a dead parent
 
 def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
-    init_child("vlm-core", config.log_level, side=False)
+    init_child("vlm-core", config.process.log_level, side=False)
     core = EngineCore(config, paths)
     serve_forever("engine core", core.run, core.close)
 
@@ -80,9 +80,7 @@ def build_prompt(msg: ipc.EngineRequest, frames: list[Any]) -> ProcessedPrompt:
 class EngineCore:
     def __init__(self, config: ServerConfig, paths: ipc.IpcPaths) -> None:
         self.config = config
-        self.engine = Engine(config.model, **config.engine_kwargs())
-        self.scheduler = self.engine.scheduler
-        self.pool = self.engine.pool
+        self.engine = Engine(config.engine)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.setsockopt(zmq.LINGER, 0)
@@ -94,16 +92,15 @@ class EngineCore:
         self.decoder = ipc.Decoder(ipc.CoreInbound)
         self.tombstones: OrderedDict[str, None] = OrderedDict()
         self.profiler = TorchProfiler("engine-core")
-        self.stats = ipc.CoreStats(pages_total=self.pool.num_pages)
         self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])
         self._dirty = False
-        if config.warmup:
+        if config.process.warmup:
             self._warmup()
         info = ipc.CoreReady(
             model=config.model_name,
             max_model_len=self.engine.max_model_len,
-            num_pages=self.pool.num_pages,
-            page_size=self.engine.config.page_size,
+            num_pages=self.engine.num_pages,
+            page_size=self.engine.page_size,
             pid=os.getpid(),
         )
         self.outbox.send_multipart(ipc.encode(info))
@@ -112,16 +109,13 @@ class EngineCore:
     def _warmup(self) -> None:
         """One short request through the whole path, so the first client does not pay for lazy init."""
         t0 = time.perf_counter()
-        prompt = self.engine.processor.from_text("Warm up the engine: one, two, three.")
+        prompt = self.engine.process_prompt("Warm up the engine: one, two, three.")
         self.engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0))
         # The grammar compiler's tokenizer index takes 0.4 s (49k vocab) to 2 s (151k) to build:
         # pay it now, not inside the step loop when the first constrained request arrives.
         self.engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0.0, json_schema={"type": "object"}))
-        self.pool.reset_prefix_cache()
-        self.scheduler.reset_counters()  # the metrics start at the first client request
-        self.engine.runner.encoder_cache.reset_counters()
-        if self.engine.speculator is not None:
-            self.engine.speculator.reset_counters()
+        self.engine.reset_prefix_cache()
+        self.engine.reset_counters()  # the metrics start at the first client request
         logger.info("warm-up took %.2f s", time.perf_counter() - t0)
 
     def close(self) -> None:
@@ -131,13 +125,13 @@ class EngineCore:
 
     def run(self, keep_going: Any) -> None:
         while True:
-            busy = self.scheduler.has_unfinished
+            busy = self.engine.has_unfinished
             if self.inbox.poll(0 if busy else _IDLE_POLL_MS):
                 self._drain()
             elif not busy and not keep_going():
                 logger.warning("parent process is gone; engine core exiting")
                 return
-            if self.scheduler.has_unfinished:
+            if self.engine.has_unfinished:
                 self._step()
             if self._dirty:
                 self._flush()
@@ -167,8 +161,8 @@ class EngineCore:
             del self.tombstones[rid]
             return
         try:
-            request = self.engine.make_request(rid, build_prompt(msg, frames), msg.sampling)
-            self.scheduler.add_request(request)
+            prompt = build_prompt(msg, frames)
+            self.engine.add_request(prompt, msg.sampling, rid)
         except RequestRejected as exc:
             code = "context_length_exceeded" if "context" in str(exc) else None
             self._pending.errors.append(ipc.RequestError(rid, 400, str(exc), param="messages", code=code))
@@ -181,25 +175,26 @@ class EngineCore:
             self._pending.errors.append(ipc.RequestError(rid, 500, f"internal error: {exc}", type="server_error"))
             return
         self._pending.added.append(
-            ipc.DetokParams(rid, msg.sampling.stop, msg.sampling.logprobs, request.num_prompt_tokens)
+            ipc.DetokParams(rid, msg.sampling.stop, msg.sampling.logprobs, len(prompt.token_ids))
         )
 
     def _abort(self, msg: ipc.Abort) -> None:
-        status = RequestStatus.FINISHED_STOPPED if msg.stopped else RequestStatus.FINISHED_ABORTED
-        for rid in msg.request_ids:
-            request = self.scheduler.requests.get(rid)
-            if request is None:
-                if not msg.stopped:  # not arrived yet (or already finished: the tombstone just ages out)
+        """The client left, or (`stopped`) the detokenizer found a stop string: finish them."""
+        finished = self.engine.abort_requests(msg.request_ids, stop_string=msg.stopped)
+        if not msg.stopped and len(finished) < len(msg.request_ids):
+            done = {request.request_id for request in finished}
+            for rid in msg.request_ids:  # not arrived yet (or already finished: the tombstone just ages out)
+                if rid not in done:
                     self.tombstones[rid] = None
-                    while len(self.tombstones) > _MAX_TOMBSTONES:
-                        self.tombstones.popitem(last=False)
-                continue
-            self.scheduler.finish(request, status)
+            while len(self.tombstones) > _MAX_TOMBSTONES:
+                self.tombstones.popitem(last=False)
+        for request in finished:
             self._pending.outputs.append(
                 ipc.TokenOutput(
-                    rid, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens, timing=_timing(request)
+                    request.request_id, [], True, request.finish_reason, cached_tokens=request.num_cached_tokens,
+                    timing=_timing(request),
                 )
-            )
+            )  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -216,18 +211,9 @@ class EngineCore:
             if self.inbox.poll(5):
                 self._drain()
             return
-        plan = step.plan
         t0 = time.perf_counter()
-        for request in step.nonfinite:  # aborted by the engine, pages freed; the batch went on
-            self._pending.errors.append(
-                ipc.RequestError(
-                    request.request_id,
-                    500,
-                    "the model's logits for this request were not finite (NaN or inf); it was stopped",
-                    type="server_error",
-                )
-            )
-            self._dirty = True
+        for request, reason in step.failed:  # finished by the engine, pages freed; the batch went on
+            self._pending.errors.append(ipc.RequestError(request.request_id, 500, reason, type="server_error"))
         outputs = self._pending.outputs
         for request, tokens in step.tokens:
             finished = request.status.finished
@@ -247,60 +233,20 @@ class EngineCore:
                     _timing(request) if finished or first else None,
                 )
             )
-        decodes = sum(  # decode tokens, drafts included
-            c.num_tokens for c in plan.chunks if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
-        )
-        s = self.stats
-        s.steps += 1
-        s.generation_tokens += sum(len(tokens) for _, tokens in step.tokens)
-        s.prefill_tokens += plan.num_tokens - decodes
-        s.preemptions += len(plan.preempted)
-        s.grammar_mask_s += step.stats.mask_s
-        speculator = self.engine.speculator
-        if speculator is not None:
-            spec = speculator.stats
-            s.spec_drafts, s.spec_draft_tokens, s.spec_accepted_tokens = (
-                spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
-            )
-        if self.config.log_stats:
-            s.step_schedule_s.observe(step.stats.schedule_s)
-            s.step_forward_s.observe(step.stats.forward_s)
-            s.step_update_s.observe(step.stats.update_s + time.perf_counter() - t0)
-            s.step_batch_size.observe(len(plan.chunks))
-            s.step_prefill_tokens.observe(plan.num_tokens - decodes)
-            s.step_cached_tokens.observe(plan.num_cached_tokens)
-            s.step_decode_tokens.observe(decodes)
-            if speculator is not None:
-                s.step_spec_propose_s.observe(step.stats.propose_s)
-                for length in speculator.stats.last_step_lengths:
-                    s.spec_acceptance_length.observe(length)
+        step.stats.update_s += time.perf_counter() - t0
+        self.engine.record_step(step, histograms=self.config.observability.log_stats)
         self._dirty = True
 
-    def _fail_batch(self, plan: Any, exc: Exception) -> None:
-        """The forward pass failed: fail this batch's requests (freeing their pages), keep serving."""
-        for chunk in plan.chunks:
-            request = chunk.request
-            if request.status.finished:
-                continue
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    def _fail_batch(self, plan: Any, exc: BaseException) -> None:
+        """The forward pass failed: fail this batch's requests (the engine frees their pages), keep serving."""
+        for request in self.engine.fail_batch(plan):
             self._pending.errors.append(
                 ipc.RequestError(request.request_id, 500, f"the forward pass failed: {exc}", type="server_error")
             )
         self._dirty = True
 
     def _flush(self) -> None:
-        s = self.stats
-        s.pages_used = self.pool.num_used
-        s.pages_cached = self.pool.num_cached
-        s.running = len(self.scheduler.running)
-        s.waiting = len(self.scheduler.waiting)
-        sched, encoder_cache = self.scheduler, self.engine.runner.encoder_cache
-        s.prompt_tokens = sched.num_prompt_tokens
-        s.prefix_cache_queries = sched.num_prefix_queries
-        s.cached_prompt_tokens = sched.num_prefix_hits
-        s.mm_cache_hits = encoder_cache.hits
-        s.mm_cache_queries = encoder_cache.hits + encoder_cache.misses
-        self._pending.stats = s
+        self._pending.stats = self.engine.make_stats()
         self._pending.sent = time.monotonic()
         self.outbox.send_multipart(ipc.encode(self._pending), copy=False)
         self._pending = ipc.EngineOutputs(added=[], outputs=[], errors=[])

@@ -5,7 +5,7 @@ of a request into the same page slot the target uses, so the scheduler's allocat
 sharing, preemption and rollback cover both. Its KV lags the target's: each step it first runs
 the tokens it has not seen (the whole prompt on a request's first draft; afterwards the accepted
 tokens), which also yields the first draft token, then one token per further draft position.
-`runner_state["draft_computed"]` counts the positions whose draft KV is valid; anything past the
+`runner_state.draft_computed` counts the positions whose draft KV is valid; anything past the
 target's computed tokens (a rejected draft) is recomputed. A sampled request draws its draft from
 the draft's own distribution q (same temperature, top-k, top-p), kept for rejection sampling.
 """
@@ -35,7 +35,7 @@ class DraftModelProposer:
         steps = []
         for chunk in chunks:
             request = chunk.request
-            done = min(request.runner_state.get("draft_computed", 0), request.num_computed_tokens)
+            done = min(request.runner_state.draft_computed, request.num_computed_tokens)
             steps.append(ScheduledChunk(request, done, request.num_tokens - done))
         active = list(range(len(chunks)))
         while active:
@@ -53,10 +53,10 @@ class DraftModelProposer:
         for chunk, draft, q in zip(chunks, drafts, probs):
             request = chunk.request
             # Positions fed: every known token and all draft tokens but the last.
-            request.runner_state["draft_computed"] = request.num_tokens + len(draft) - 1
+            request.runner_state.draft_computed = request.num_tokens + len(draft) - 1
             chunk.set_draft(draft)
             if q:
-                request.runner_state["draft_probs"] = torch.stack(q)
+                request.runner_state.draft_probs = torch.stack(q)
 
     def _draw(self, logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
         params = request.sampling

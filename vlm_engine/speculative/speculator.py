@@ -27,7 +27,7 @@ MIN_BACKOFF, MAX_BACKOFF = 4, 64
 
 class Proposer(Protocol):
     """Fills `chunk.draft` (at most `chunk.num_lookahead` tokens) for decoding chunks. A proposer
-    with a distribution stores it as `runner_state["draft_probs"]` ([len(draft), V]) for sampled
+    with a distribution stores it as `runner_state.draft_probs` ([len(draft), V]) for sampled
     requests; one without (n-gram lookup) proposes point masses."""
 
     name: str
@@ -103,7 +103,7 @@ class Speculator:
             if grammar is not None and chunk.draft:
                 chunk.set_draft(grammar.valid_draft(chunk.draft))
             if not chunk.draft:  # nothing to verify: a draft distribution would only go stale
-                chunk.request.runner_state.pop("draft_probs", None)
+                chunk.request.runner_state.draft_probs = None
 
     def observe(self, chunk: ScheduledChunk, num_tokens: int) -> None:
         """A verified chunk emitted `num_tokens` (its accepted drafts and one more)."""
