@@ -454,11 +454,10 @@ class Engine:
         ids = [t.token_id for t in tokens]
         finished = request.status.finished
         reason, stop_token = (request.finish_reason, request.stop_token_id) if finished else (None, None)
-        text = outputs.process(rid, ids, logprobs, finished, reason, stop_token)
-        if text is None:  # its first output: the stream starts here (the server's core never makes one)
+        if rid not in outputs:  # its first output: the stream starts here (the server's core never makes one)
             outputs.add_request(rid, sampling.stop, request.num_prompt_tokens, sampling.logprobs is not None)
-            text = outputs.process(rid, ids, logprobs, finished, reason, stop_token)
-            assert text is not None
+        text = outputs.process(rid, ids, logprobs, finished, reason, stop_token)
+        assert text is not None  # a stop string drops the stream as it finishes the request
         if text.stop_string is not None:
             self.scheduler.end_at_stop_string(request, request.num_output_tokens - len(tokens) + len(text.token_ids))
             outputs.drop(rid)
