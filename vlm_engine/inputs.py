@@ -22,6 +22,9 @@ class MediaInput:
     span: MediaSpan
     pixel_values: Any  # the encoder's input (a torch.Tensor); typed loosely to keep torch out of the scheduler
     grid_thw: tuple[int, int, int]  # the family's shape of it (Qwen2-VL: the patch grid); (1, 1, 1) where unused
+    # A video's seconds per temporal grid step (frames per step / sampled fps), for families whose
+    # positions follow time; None for images and where the processor does not say.
+    grid_seconds: float | None = None
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """The Llama-style decoder that families compose: token embeddings, pre-norm layers over paged KV
 (merged QKV and gate/up linears, RMSNorm, rotate-half RoPE or M-RoPE), the final norm and the LM
-head. Llama, Mistral and Qwen2 are it as it is; Qwen2-VL and placard-default put media in front."""
+head. Llama, Mistral and Qwen2 are it as it is; Qwen2-VL and placard-default put media in front;
+Qwen3 adds q/k norms (`qk_norm`), Qwen3-VL interleaved M-RoPE and DeepStack media features, its MoE
+variant a sparse MLP (`mlp_factory`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,10 +42,27 @@ def rope_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
-class DecoderModel(nn.Module):
-    """Token embeddings, the decoder stack and the final norm."""
+# (layer index) -> the layer's MLP; default: the dense GatedMLP of the config's intermediate_size
+MLPFactory = Callable[[int], nn.Module]
 
-    def __init__(self, config: Any, qkv_bias: bool, mrope_section: list[int] | None = None) -> None:
+
+class DecoderModel(nn.Module):
+    """Token embeddings, the decoder stack and the final norm.
+
+    DeepStack (Qwen3-VL): when the step carries media features (`ForwardContext.media_rows` /
+    `media_features`, k hidden-sized blocks a row), block i is added to the output of layer i at
+    those rows, for i < k, as Transformers' `_deepstack_process` does."""
+
+    def __init__(
+        self,
+        config: Any,
+        qkv_bias: bool,
+        mrope_section: list[int] | None = None,
+        *,
+        qk_norm: bool = False,
+        mrope_interleaved: bool = False,
+        mlp_factory: MLPFactory | None = None,
+    ) -> None:
         super().__init__()
         dim = head_dim_of(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -55,8 +75,9 @@ class DecoderModel(nn.Module):
                     config.num_key_value_heads,
                     dim,
                     qkv_bias,
+                    config.rms_norm_eps if qk_norm else None,
                 ),
-                GatedMLP(config.hidden_size, config.intermediate_size),
+                mlp_factory(i) if mlp_factory is not None else GatedMLP(config.hidden_size, config.intermediate_size),
                 config.hidden_size,
                 config.rms_norm_eps,
             )
@@ -68,15 +89,46 @@ class DecoderModel(nn.Module):
         self._norms_after = tuple(layer.input_layernorm for layer in self.layers[1:]) + (self.norm,)
         with torch.device("cpu"):  # real tables even when the weights are built on meta
             inv_freq, scaling = rope_inv_freq(config)
-            self.rotary = RotaryEmbedding(dim, config.max_position_embeddings, inv_freq, scaling, mrope_section)
+            self.rotary = RotaryEmbedding(
+                dim, config.max_position_embeddings, inv_freq, scaling, mrope_section, mrope_interleaved
+            )
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if ctx.media_features is not None:
+            return self._forward_deepstack(hidden, cos, sin, ctx)
         if ctx.fused is not None:
             return self._forward_fused(hidden, cos, sin, ctx)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, ctx)
         return self.norm(hidden)
+
+    def _forward_deepstack(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """The forward of a step whose media rows carry per-layer features (prefill chunks only)."""
+        rows, features = ctx.media_rows, ctx.media_features
+        assert rows is not None and features is not None
+        blocks = features.to(hidden.dtype).split(hidden.shape[1], dim=1)
+        if ctx.fused is None:
+            for i, layer in enumerate(self.layers):
+                hidden = layer(hidden, cos, sin, ctx)
+                if i < len(blocks):
+                    hidden[rows] += blocks[i]
+            return self.norm(hidden)
+        fused = ctx.fused
+        residual = hidden
+        first_norm = self.layers[0].input_layernorm
+        x = fused.rms_norm(residual, first_norm.weight, first_norm.eps)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self._norms_after)):
+            x = layer.decode_plan(fused)(x, residual, cos, sin, ctx)
+            if i < len(blocks):
+                residual.add_(x)
+                residual[rows] += blocks[i]
+                x = fused.rms_norm(residual, next_norm.weight, next_norm.eps)
+            else:
+                fused.add_rms_norm_(x, residual, next_norm.weight, next_norm.eps)
+        return x
 
     def _forward_fused(
         self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -103,11 +155,18 @@ class CausalLM(nn.Module):
     # checkpoint name prefixes -> ours (Transformers' own names for the text stack)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, config: Any, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        text_config: Any,
+        qkv_bias: bool,
+        mrope_section: list[int] | None = None,
+        **decoder_options: Any,
+    ) -> None:
         super().__init__()
         self.config = config
         self.text_config = text_config
-        self.model = DecoderModel(text_config, qkv_bias, mrope_section)
+        self.model = DecoderModel(text_config, qkv_bias, mrope_section, **decoder_options)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -107,6 +107,9 @@ class ProcessorPrompts:
                     text=[text],
                     images=images or None,
                     videos=[v.frames for v in videos] or None,
+                    # what Transformers' own reader reports: the timing of the chosen frames (Qwen2.5-VL's
+                    # temporal positions and Qwen3-VL's timestamp text follow it)
+                    **({"video_metadata": [video_metadata(v) for v in videos]} if videos else {}),
                     do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
                     return_tensors="pt",
                     **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
@@ -125,6 +128,24 @@ class ProcessorPrompts:
         spans = list(placeholder_runs(token_ids, placeholder))
         if len(spans) != len(items):
             raise PromptError(f"found {len(spans)} {kind} placeholders for {len(items)} {kind}s", param="messages")
-        for (offset, length), item, grid, pixels in zip(spans, items, grids, pixel_chunks):
+        seconds = inputs.get("second_per_grid_ts") if kind == "video" else None
+        for i, ((offset, length), item, grid, pixels) in enumerate(zip(spans, items, grids, pixel_chunks)):
             content_hash = hash_to_int(image_content_hash(item)) if kind == "image" else item.content_hash
-            yield MediaInput(kind, MediaSpan(offset, length, content_hash), pixels, grid)
+            grid_seconds = float(seconds[i]) if seconds is not None else None
+            yield MediaInput(kind, MediaSpan(offset, length, content_hash), pixels, grid, grid_seconds)
+
+
+def video_metadata(video: DecodedVideo) -> Any:
+    """The metadata Transformers' PyAV reader gives the processor for these chosen frames."""
+    from transformers.video_utils import VideoMetadata
+
+    info = video.info
+    return VideoMetadata(
+        total_num_frames=info.num_frames,
+        fps=info.average_fps,
+        duration=info.duration_s,
+        video_backend="pyav",
+        height=info.height,
+        width=info.width,
+        frames_indices=list(video.indices),
+    )

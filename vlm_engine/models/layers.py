@@ -31,6 +31,10 @@ class ForwardContext:
     attn_backend: AttentionBackend
     # vlm_engine.models.fused_ops extension (bf16 on CPU); None: plain torch ops
     fused: ModuleType | None = None
+    # Per-token media features beyond the input embedding (DeepStack: one hidden-sized block per early
+    # decoder layer, added to that layer's output): the step's rows that carry them and their values.
+    media_rows: torch.Tensor | None = None
+    media_features: torch.Tensor | None = None
 
 
 RowsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -93,7 +97,9 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half RoPE with a precomputed cos/sin table indexed by position.
 
     With `mrope_section` set (Qwen2-VL), positions are [3, T] (temporal, height, width) and the
-    frequency bands are split between the three axes.
+    frequency bands are split between the three axes: in contiguous sections, or with
+    `mrope_interleaved` (Qwen3-VL) frequency j from axis 1 (h) when j % 3 == 1 and j < 3 * section[1],
+    from axis 2 (w) when j % 3 == 2 and j < 3 * section[2], else from axis 0 (t).
     """
 
     def __init__(
@@ -103,10 +109,17 @@ class RotaryEmbedding(nn.Module):
         inv_freq: torch.Tensor,
         attention_scaling: float = 1.0,
         mrope_section: list[int] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.mrope_section = mrope_section
+        self.axis_of_frequency: torch.Tensor | None = None
+        if mrope_section is not None and mrope_interleaved:
+            axis = torch.zeros(head_dim // 2, dtype=torch.long, device="cpu")
+            axis[1 : 3 * mrope_section[1] : 3] = 1
+            axis[2 : 3 * mrope_section[2] : 3] = 2
+            self.axis_of_frequency = axis
         self.max_positions = max_positions
         self.inv_freq = inv_freq.float()
         self.attention_scaling = attention_scaling
@@ -131,6 +144,9 @@ class RotaryEmbedding(nn.Module):
     def _merge_axes(self, per_axis: torch.Tensor) -> torch.Tensor:
         # per_axis: [3, T, D/2]; band i takes its frequencies from axis i % 3.
         assert self.mrope_section is not None
+        if self.axis_of_frequency is not None:
+            axis = self.axis_of_frequency.to(per_axis.device)
+            return per_axis.gather(0, axis.expand(1, per_axis.shape[1], -1)).squeeze(0)
         bands = per_axis.split(self.mrope_section, dim=-1)
         return torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
 
@@ -155,6 +171,7 @@ class Attention(_DecoderModule):
         num_kv_heads: int,
         head_dim: int,
         qkv_bias: bool,
+        qk_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -168,6 +185,9 @@ class Attention(_DecoderModule):
             hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
+        # Qwen3: an RMSNorm over each query and key head before RoPE
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -177,12 +197,22 @@ class Attention(_DecoderModule):
         # projection's output (Tensor.split's Python wrapper and three views cost ~6 us a layer).
         heads = self.qkv_proj.forward(x).view(t, -1, self.head_dim)
         q, k, v = heads.split_with_sizes([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = _head_norm(self.q_norm, q, ctx.fused), _head_norm(self.k_norm, k, ctx.fused)
         if ctx.fused is not None:
             ctx.fused.rotary_(q, k, cos, sin)  # in place, on the views into the qkv output
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_meta, self.scale)
         return self.o_proj.forward(out.reshape(t, self.q_size))
+
+
+def _head_norm(norm: RMSNorm, heads: torch.Tensor, fused: ModuleType | None) -> torch.Tensor:
+    """`norm` over each head of [T, H, D] (a strided view into the qkv output): a new tensor."""
+    if fused is None:
+        return norm(heads)
+    t, h, d = heads.shape
+    return fused.rms_norm(heads.reshape(t * h, d), norm.weight, norm.eps).view(t, h, d)
 
 
 class GatedMLP(_DecoderModule):
@@ -210,7 +240,7 @@ class GatedMLP(_DecoderModule):
 
 
 class DecoderLayer(_DecoderModule):
-    def __init__(self, attention: Attention, mlp: GatedMLP, hidden_size: int, eps: float) -> None:
+    def __init__(self, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
@@ -237,21 +267,29 @@ class DecoderLayer(_DecoderModule):
     def _build_plan(self, fused: ModuleType) -> LayerPlan:
         attn, post_norm = self.self_attn, self.post_attention_layernorm
         qkv, o_proj = rows_fn(attn.qkv_proj), rows_fn(attn.o_proj)
-        gated, down = self.mlp.gated_rows_fn(fused), rows_fn(self.mlp.down_proj)
+        mlp = self.mlp
+        if isinstance(mlp, GatedMLP):
+            gated, down = mlp.gated_rows_fn(fused), rows_fn(mlp.down_proj)
+            mlp_rows: RowsFn = lambda x: down(gated(x))  # noqa: E731
+        else:  # another MLP (a sparse mixture of experts) runs as its own forward
+            mlp_rows = mlp.forward
         rotary, add_rms_norm = fused.rotary_, fused.add_rms_norm_
         heads = [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads]
         head_dim, q_size, scale, layer_idx = attn.head_dim, attn.q_size, attn.scale, attn.layer_idx
         norm_weight, eps = post_norm.weight, post_norm.eps
+        q_norm, k_norm = attn.q_norm, attn.k_norm
 
         def run(
             normed: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
         ) -> torch.Tensor:
             t = normed.shape[0]
             q, k, v = qkv(normed).view(t, -1, head_dim).split_with_sizes(heads, 1)
+            if q_norm is not None and k_norm is not None:
+                q, k = _head_norm(q_norm, q, fused), _head_norm(k_norm, k, fused)
             rotary(q, k, cos, sin)  # in place, on the views into the qkv output
             out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_meta, scale)
             x = o_proj(out.reshape(t, q_size))
             add_rms_norm(x, residual, norm_weight, eps)
-            return down(gated(x))
+            return mlp_rows(x)
 
         return run

@@ -35,22 +35,28 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, f.get_tensor(key)
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into `model`, filling fused projections shard by shard.
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Copy checkpoint tensors into `model`, filling fused projections shard by shard; returns the
+    checkpoint names that went nowhere (logged: the weight-name tests require none).
 
     Raises if any parameter is left unset, so a naming mismatch can never run on random weights.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_targets = _shard_targets(model)
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    # A family whose checkpoints store a tensor in another layout than its module converts it here.
+    adapt = getattr(model, "adapt_checkpoint_tensor", None)
     tied = {name for name, p in params.items() if any(p is q and name != n for n, q in params.items())}
     loaded: set[str] = set()
+    unused: list[str] = []
     with torch.no_grad():
         for name, tensor in weights:
             for old, new in renames:
                 if name.startswith(old):
                     name = new + name[len(old) :]
                     break
+            if adapt is not None:
+                tensor = adapt(name, tensor)
             if name in params:
                 _copy(params[name], tensor, name)
                 loaded.add(name)
@@ -58,7 +64,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             module_path, _, param_name = name.rpartition(".")
             target = shard_targets.get(module_path)
             if target is None:
-                logger.debug("ignoring checkpoint tensor %s", name)
+                unused.append(name)
                 continue
             fused_name, module, shard = target
             start, size = module.shards[shard]
@@ -78,6 +84,9 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             missing.append(name)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    if unused:
+        logger.warning("%d checkpoint tensors match no parameter, e.g. %s", len(unused), unused[:5])
+    return unused
 
 
 def _shard_targets(model: nn.Module) -> dict[str, tuple[str, MergedLinear, str]]:

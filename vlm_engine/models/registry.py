@@ -37,6 +37,9 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "vlm_engine.models.llama",
     "Qwen2ForCausalLM": "vlm_engine.models.llama",
     "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "vlm_engine.models.qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "vlm_engine.models.qwen3_vl",
     "PlacardForConditionalGeneration": "vlm_engine.models.placard",
 }
 

@@ -117,9 +117,9 @@ class ModelRunner:
 
     def _logits(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         hidden = self.model.embed(inputs.input_ids)
-        if self.merge_media and any(c.request.prompt.media for c in chunks):
-            self._merge_media(hidden, chunks)
         ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend, self.fused_ops)
+        if self.merge_media and any(c.request.prompt.media for c in chunks):
+            ctx.media_rows, ctx.media_features = self._merge_media(hidden, chunks)
         hidden = self.model(hidden, inputs.positions, ctx)
         if not inputs.sample_rows:
             return None
@@ -315,8 +315,14 @@ class ModelRunner:
 
     # ---- media -----------------------------------------------------------------------------
 
-    def _merge_media(self, hidden: torch.Tensor, chunks: list[ScheduledChunk]) -> None:
-        """Overwrite placeholder rows with vision-encoder outputs, encoding only what is missing."""
+    def _merge_media(
+        self, hidden: torch.Tensor, chunks: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Overwrite placeholder rows with vision-encoder outputs, encoding only what is missing.
+
+        An encoder output wider than the hidden size carries per-token features past its first
+        `hidden` columns (DeepStack): those come back as (rows of this step, their features) for the
+        decoder (`ForwardContext.media_rows` / `media_features`); else (None, None)."""
         overlaps: list[tuple[int, Request, int, int, int]] = []  # (row base, request, item, lo, hi)
         missing: list[tuple[Request, int, Any]] = []
         row_base = 0
@@ -343,16 +349,26 @@ class ModelRunner:
                 emb = emb.to(self.dtype)
                 request.runner_state.media_embeddings[index] = emb
                 self.encoder_cache.put(item.span.content_hash, emb)
+        width = hidden.shape[1]
+        feature_rows: list[range] = []
+        features: list[torch.Tensor] = []
         for shift, request, index, lo, hi in overlaps:
             item = request.prompt.media[index]
-            emb = request.runner_state.media_embeddings[index]
-            hidden[shift + lo : shift + hi] = emb[lo - item.span.offset : hi - item.span.offset]
+            emb = request.runner_state.media_embeddings[index][lo - item.span.offset : hi - item.span.offset]
+            hidden[shift + lo : shift + hi] = emb[:, :width]
+            if emb.shape[1] > width:
+                feature_rows.append(range(shift + lo, shift + hi))
+                features.append(emb[:, width:])
         # Drop per-request references to media this step finished consuming.
         for chunk in chunks:
             store = chunk.request.runner_state.media_embeddings
             if store:
                 for index in [j for j in store if chunk.request.prompt.media[j].span.end <= chunk.end]:
                     del store[index]
+        if not features:
+            return None, None
+        rows = torch.tensor([r for span in feature_rows for r in span], dtype=torch.long, device=hidden.device)
+        return rows, torch.cat(features)
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:

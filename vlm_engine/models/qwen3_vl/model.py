@@ -1,0 +1,119 @@
+"""Qwen3-VL: the Qwen3 decoder over paged KV (q/k RMSNorm, explicit head_dim, interleaved M-RoPE),
+DeepStack (features of chosen vision blocks added to the first decoder layers' outputs at the
+media tokens), and the MoE text variant's sparse MLP (Qwen3-VL-30B-A3B)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlm_engine.models.decoder import CausalLM, rope_parameters
+from vlm_engine.models.layers import GatedMLP
+
+
+class Qwen3VLForConditionalGeneration(CausalLM):
+    # Transformers' names (the released checkpoints use them too) -> ours
+    checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
+
+    def __init__(self, config: Any) -> None:
+        text_config = config.text_config
+        mrope_section = list(rope_parameters(text_config).get("mrope_section") or [24, 20, 20])
+        super().__init__(
+            config,
+            text_config,
+            qkv_bias=bool(getattr(text_config, "attention_bias", False)),
+            mrope_section=mrope_section,
+            qk_norm=True,
+            mrope_interleaved=True,  # Transformers' Qwen3-VL always interleaves the axes
+            mlp_factory=self._mlp_factory(text_config),
+        )
+        self.visual = _build_vision_tower(config.vision_config)
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+
+    def _mlp_factory(self, text_config: Any) -> Any:
+        return None  # dense: GatedMLP in every layer
+
+    def encode_media(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """One [tokens, hidden * (1 + deepstack layers)] tensor per item: the merged features, then the
+        DeepStack features of each chosen vision block (the runner hands the columns past `hidden`
+        to the decoder as ForwardContext.media_features)."""
+        parameter = next(self.visual.parameters())
+        pixels = torch.cat([p.to(device=parameter.device, dtype=parameter.dtype) for p in pixel_values])
+        out = self.visual(pixels, grid_thw=torch.tensor(grids, dtype=torch.long, device=parameter.device))
+        merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+        return list(merged.split([t * h * w // self.spatial_merge_size**2 for t, h, w in grids]))
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    def _mlp_factory(self, text_config: Any) -> Any:
+        dense_layers = set(getattr(text_config, "mlp_only_layers", None) or [])
+        step = int(getattr(text_config, "decoder_sparse_step", 1) or 1)
+
+        def mlp(layer: int) -> nn.Module:
+            if layer not in dense_layers and text_config.num_experts > 0 and (layer + 1) % step == 0:
+                return SparseMoE(
+                    text_config.hidden_size,
+                    text_config.moe_intermediate_size,
+                    text_config.num_experts,
+                    text_config.num_experts_per_tok,
+                )
+            return GatedMLP(text_config.hidden_size, text_config.intermediate_size)
+
+        return mlp
+
+    def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The released checkpoints store the experts as [E, hidden, 2I] / [E, I, hidden]; Transformers 5
+        (and we) keep [E, 2I, hidden] / [E, hidden, I]: transpose where the shape says so."""
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            module = self.get_submodule(name.rpartition(".")[0])
+            expected = getattr(module, name.rpartition(".")[2]).shape
+            if tensor.shape != expected and tensor.transpose(1, 2).shape == expected:
+                return tensor.transpose(1, 2)
+        return tensor
+
+
+class SparseExperts(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+
+class SparseMoE(nn.Module):
+    """Top-k softmax routing over SiLU-gated experts, renormalized over the chosen k. Sums in
+    Transformers' order (experts ascending, index_add_ into zeros) so fp32 outputs match it exactly;
+    each expert runs on the rows routed to it only."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = SparseExperts(hidden_size, intermediate_size, num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        out = torch.zeros_like(x)
+        # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
+        routed = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        for expert in routed.sum(dim=(1, 2)).nonzero().flatten().tolist():
+            slot, token = torch.where(routed[expert])
+            gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
+            h = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, h)
+        return out
+
+
+def _build_vision_tower(vision_config: Any) -> nn.Module:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    vision_config._attn_implementation = "sdpa"
+    with torch.device("cpu"):  # buffers computed at init, even when the caller builds on meta
+        return Qwen3VLVisionModel._from_config(vision_config)

@@ -1,0 +1,273 @@
+"""Deterministic, offline Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints for tests and benchmarks.
+
+Random weights from the real Transformers config classes, the tokenizer trained in-process by
+`vlm_engine.testing.checkpoints` (the Qwen2-VL special tokens and chat template: Qwen2.5-VL and
+Qwen3-VL use the same ones), and each family's own HF processor classes.
+
+    write_qwen2_5_vl(path, preset="tiny" | "bench-3b", seed=0) -> Path
+    write_qwen3_vl(path, preset="tiny" | "tiny-moe", seed=0) -> Path
+    cached_qwen2_5_vl(preset, seed=0) / cached_qwen3_vl(preset, seed=0) -> Path
+
+"bench-3b" is Qwen2.5-VL-3B-Instruct's real config (36 x 2048 text layers, the 32-block window-attention
+vision tower) except the vocabulary, which is our small tokenizer's (2,048 tokens instead of 151,936:
+the embedding and the tied LM head are ~0.3B parameters smaller than the real model's).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vlm_engine.testing.checkpoints import (
+    QWEN2_VL_CHAT_TEMPLATE,
+    QWEN2_VL_SPECIAL_TOKENS,
+    QWEN2_VL_VOCAB_SIZE,
+    _build_qwen2_vl_tokenizer,
+    _init_weights_deterministically,
+    cached_checkpoint,
+)
+
+# A preset: text / vision config values, the processor's pixel budget, init std and the save dtype.
+Preset = dict[str, Any]
+
+QWEN2_5_VL_PRESETS: dict[str, Preset] = {
+    # Parity tests: 4 text layers (GQA 2:1, head_dim 32), a 4-block tower whose blocks 1 and 3 attend
+    # to the whole image and 0 and 2 to 56-px windows (2x2 merged groups): images of odd sizes get
+    # windows cut at their edges. initializer_range 0.2 for distinct greedy tokens (see checkpoints.py).
+    "tiny": {
+        "text": dict(
+            hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, mrope_section=[4, 6, 6], tie_word_embeddings=False,
+        ),
+        "vision": dict(
+            depth=4, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
+            fullatt_block_indexes=[1, 3], tokens_per_second=2,
+        ),
+        "pixels": (4 * 28 * 28, 64 * 28 * 28),
+        "std": 0.2,
+        "dtype": "float32",
+    },
+    # Qwen2.5-VL-3B-Instruct's config.json values.
+    "bench-3b": {
+        "text": dict(
+            hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+            num_key_value_heads=2, max_position_embeddings=128000, mrope_section=[16, 24, 24], tie_word_embeddings=True,
+        ),
+        "vision": dict(
+            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
+        ),
+        "pixels": (3136, 12845056),
+        "std": 0.02,
+        "dtype": "bfloat16",
+    },
+}
+
+QWEN3_VL_PRESETS: dict[str, Preset] = {
+    # Parity tests: Qwen3 text layers (q/k norms, explicit head_dim 32 with hidden 128), interleaved
+    # M-RoPE, a 3-block tower with 16-px patches, an 8x8 learned position grid interpolated to each
+    # image, and deepstack features from blocks 0 and 1 added after decoder layers 0 and 1.
+    "tiny": {
+        "text": dict(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, mrope_section=[4, 6, 6],
+            tie_word_embeddings=False,
+        ),
+        "vision": dict(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        "pixels": (4 * 32 * 32, 64 * 32 * 32),
+        "std": 0.2,
+        "dtype": "float32",
+    },
+    # The same with Qwen3-VL-MoE's text model (Qwen3-VL-30B-A3B's shape, tiny): 8 experts, top 2.
+    "tiny-moe": {
+        "text": dict(
+            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, mrope_section=[4, 6, 6],
+            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+            decoder_sparse_step=1,
+        ),
+        "vision": dict(
+            depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        "pixels": (4 * 32 * 32, 64 * 32 * 32),
+        "std": 0.2,
+        "dtype": "float32",
+    },
+}
+
+
+def _text_config(values: dict[str, Any], token_ids: dict[str, int], rope_theta: float) -> dict[str, Any]:
+    values = dict(values)
+    mrope_section = values.pop("mrope_section")
+    return {
+        **values,
+        "vocab_size": QWEN2_VL_VOCAB_SIZE,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "mrope_section": mrope_section},
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+    }
+
+
+def _token_ids(tokenizer: Any) -> dict[str, int]:
+    return {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL_TOKENS}
+
+
+def _media_token_ids(token_ids: dict[str, int]) -> dict[str, int]:
+    return dict(
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+    )
+
+
+def qwen2_5_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    text = _text_config(preset["text"], token_ids, 1000000.0)
+    vision = {
+        **preset["vision"],
+        "hidden_act": "silu",
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        **_media_token_ids(token_ids),
+    )
+
+
+def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    moe = "num_experts" in preset["text"]
+    text = _text_config(preset["text"], token_ids, 5000000.0)
+    text["rope_parameters"]["mrope_interleaved"] = True  # as the released configs say (Transformers always interleaves)
+    vision = {
+        **preset["vision"],
+        "hidden_act": "gelu_pytorch_tanh",
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    config_class = Qwen3VLMoeConfig if moe else Qwen3VLConfig
+    architecture = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
+    return config_class(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        architectures=[architecture],
+        **_media_token_ids(token_ids),
+    )
+
+
+def _save_model(model_class: Any, config: Any, preset: Preset, seed: int, token_ids: dict[str, int], out: Path) -> None:
+    """Build on the meta device, materialize, overwrite every parameter from one seeded generator (our
+    own init: bytes independent of Transformers' init order), save in the preset's dtype."""
+    import torch
+    from transformers import GenerationConfig
+
+    dtype = getattr(torch, preset["dtype"])
+    with torch.device("meta"):
+        model = model_class._from_config(config, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    _init_weights_deterministically(model, preset["std"], seed)
+    model.config.dtype = preset["dtype"]
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def _size(pixels: tuple[int, int]) -> dict[str, int]:
+    return {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
+
+
+def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random-weight Qwen2.5-VL checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    spec = QWEN2_5_VL_PRESETS[preset]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
+        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
+    token_ids = _token_ids(tokenizer)
+    _save_model(Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config(spec, token_ids), spec, seed, token_ids, out)
+    patches = dict(patch_size=14, temporal_patch_size=2, merge_size=2)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches),
+        video_processor=Qwen2VLVideoProcessor(size=_size(spec["pixels"]), **patches),
+        tokenizer=tokenizer,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    return out
+
+
+def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random-weight Qwen3-VL (or, preset "tiny-moe", Qwen3-VL-MoE) checkpoint in `path`."""
+    from transformers import (
+        Qwen2VLImageProcessor,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    spec = QWEN3_VL_PRESETS[preset]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
+        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
+    token_ids = _token_ids(tokenizer)
+    config = qwen3_vl_config(spec, token_ids)
+    moe = "num_experts" in spec["text"]
+    model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
+    _save_model(model_class, config, spec, seed, token_ids, out)
+    patches = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
+    mean_std = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])  # Qwen3-VL's processor config
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
+        video_processor=Qwen3VLVideoProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
+        tokenizer=tokenizer,
+        chat_template=QWEN2_VL_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    return out
+
+
+def cached_qwen2_5_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_checkpoint(
+        f"qwen2.5-vl-{preset}-seed{seed}", lambda tmp: write_qwen2_5_vl(tmp, preset, seed), cache_root
+    )
+
+
+def cached_qwen3_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_checkpoint(f"qwen3-vl-{preset}-seed{seed}", lambda tmp: write_qwen3_vl(tmp, preset, seed), cache_root)
