@@ -15,6 +15,7 @@ import torch
 from preprocess.family_prompts import FamilyPrompts
 from vlm_engine.models import registry
 from vlm_engine.models.family import ModelFamily, VLModel
+from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ["preprocess", "vlm_engine/scheduler", "vlm_engine/runner", "vlm_engine/server", "vlm_engine/speculative",
@@ -98,16 +99,24 @@ def test_unknown_architecture_is_a_clear_error() -> None:
         registry.family_of_architecture("NopeForCausalLM")
 
 
-@pytest.mark.parametrize("spec", ["tiny_vlm", registry.SMOLLM2_MODEL, registry.PLACARD_MODEL])
+TINY_VLMS = {
+    "tiny_vlm": lambda d: d,
+    "tiny-qwen2.5-vl": lambda _: cached_qwen2_5_vl("tiny"),
+    "tiny-qwen3-vl": lambda _: cached_qwen3_vl("tiny"),
+    "tiny-qwen3-vl-moe": lambda _: cached_qwen3_vl("tiny-moe"),
+}
+
+
+@pytest.mark.parametrize("spec", [*TINY_VLMS, registry.SMOLLM2_MODEL, registry.PLACARD_MODEL])
 def test_built_models_and_prompts_implement_the_protocol(spec: str, tiny_vlm_dir: Path) -> None:
-    source = registry.resolve_model(str(tiny_vlm_dir) if spec == "tiny_vlm" else spec)
+    source = registry.resolve_model(str(TINY_VLMS[spec](tiny_vlm_dir)) if spec in TINY_VLMS else spec)
     config = registry.load_config(source)
     with torch.device("meta"):
         model = registry.model_class(config)(config)
     assert isinstance(model, VLModel)
     layers, kv_heads, head_dim = model.kv_layout
     assert layers == len(model.model.layers) and kv_heads >= 1 and head_dim >= 1
-    assert model.position_axes == (3 if spec == "tiny_vlm" else 1)
+    assert model.position_axes == (3 if spec in TINY_VLMS else 1)
     processor = registry.prompt_processor(source, config)
     assert isinstance(processor.family, FamilyPrompts)
     assert processor.vocab_size == model.vocab_size

@@ -45,8 +45,15 @@ class VLModel(Protocol):
 
     def encode_media(self, inputs: list[torch.Tensor], grids: list[Any]) -> list[torch.Tensor]:
         """One [span length, hidden] embedding per media item (`MediaInput.pixel_values` / `grid_thw`),
-        in one batched pass."""
+        in one batched pass. Rows may be wider than `hidden`: the first `hidden` columns replace the
+        placeholder embeddings, the rest reach `forward` as `ForwardContext.media_features` at
+        `media_rows` (Qwen3-VL's DeepStack features for its first decoder layers)."""
         ...
+
+
+# Optional on a VLModel: `adapt_checkpoint_tensor(name, tensor) -> tensor`, called by the loader on each
+# checkpoint tensor (after `checkpoint_renames`) whose stored layout differs from the module's (the
+# Qwen3-VL-MoE release stores its experts transposed).
 
 
 # (model directory, config, GGUF file name or None, video device) -> the family's prompt side
