@@ -76,10 +76,13 @@ def assert_fast_path(engine: Engine) -> None:
     assert engine.config.model.numerics == "fast"
     fused = engine.runner.fused_ops
     assert fused is not None
-    packed = [m for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    packed = [m for m in engine.model.model.modules() if isinstance(m, PackedLinear)]  # the decoder's
     assert packed
     if engine.dtype == torch.float32 and fused.panel_linear_vectorized():
         assert all(m._panels is not None for m in packed)  # fp32 linears take the panel kernel
+    for name in getattr(engine.model, "encoder_modules", ()):  # a vision tower: oneDNN's layout only
+        encoder = [m for m in engine.model.get_submodule(name).modules() if isinstance(m, PackedLinear)]
+        assert encoder and all(m._panels is None and m._pairs is None for m in encoder)
 
 
 def greedy_agreement(fast: list[int], exact: list[int]) -> int:

@@ -168,7 +168,9 @@ class CausalLM(nn.Module):
         self.text_config = text_config
         self.model = DecoderModel(text_config, qkv_bias, mrope_section, **decoder_options)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False):
+        # A VLM's own flag decides, as in Transformers (Qwen3-VL-MoE's text config defaults to tied while the
+        # model is not); a text model's config is its text config.
+        if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.position_axes = 3 if mrope_section else 1  # M-RoPE: (t, h, w) positions per token
         self.vocab_size = int(text_config.vocab_size)

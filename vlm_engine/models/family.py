@@ -51,7 +51,9 @@ class VLModel(Protocol):
         ...
 
 
-# Optional on a VLModel: `adapt_checkpoint_tensor(name, tensor) -> tensor`, called by the loader on each
+# Optional on a VLModel: `encoder_modules`, names of submodules (a vision tower) that only multiply
+# prefill-sized row counts, whose linears keep one (oneDNN) layout when prepacked instead of two;
+# `adapt_checkpoint_tensor(name, tensor) -> tensor`, called by the loader on each
 # checkpoint tensor (after `checkpoint_renames`) whose stored layout differs from the module's (the
 # Qwen3-VL-MoE release stores its experts transposed).
 

@@ -211,7 +211,7 @@ def build_model(
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):
         model = cls(config)
-    _materialize(model)
+    _materialize(model, dtype)
     weights = (
         loader.iter_gguf(source.gguf_path, config)
         if source.gguf_path is not None
@@ -229,13 +229,19 @@ def build_model(
         quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if prepack and prepack_supported(device, dtype):
         dot_ops = load_bf16_dot_gemm() if dtype == torch.bfloat16 else None
+        # A media encoder only ever multiplies prefill-sized row counts: one (oneDNN) layout for its linears.
+        encoders = [model.get_submodule(name) for name in getattr(model, "encoder_modules", ())]
+        for encoder in encoders:
+            prepack_linears(encoder)
         prepack_linears(model, panel_ops, bf16_weights, dot_ops)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 
 
-def _materialize(model: nn.Module) -> None:
-    """Give meta tensors real (uninitialized) CPU storage; tied parameters stay tied.
+def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give meta tensors real (uninitialized) CPU storage, floating point ones in `dtype` (the
+    checkpoint is cast as it is copied in: a bf16 3B model never holds an fp32 copy); tied
+    parameters stay tied.
 
     Safe because `load_weights` fails on any parameter the checkpoint leaves unset, and modules
     that compute buffers at construction (e.g. a vision tower's RoPE) build them on the CPU.
@@ -245,7 +251,10 @@ def _materialize(model: nn.Module) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 if id(param) not in replaced:
-                    replaced[id(param)] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=False)
+                    like = dtype if param.is_floating_point() else param.dtype
+                    replaced[id(param)] = nn.Parameter(
+                        torch.empty_like(param, device="cpu", dtype=like), requires_grad=False
+                    )
                 setattr(module, name, replaced[id(param)])
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf.is_meta:

@@ -13,6 +13,7 @@ from vlm_engine.models.decoder import CausalLM, rope_parameters
 class Qwen2VLForConditionalGeneration(CausalLM):
     # Transformers 5 saves model.language_model.* / model.visual.*; the original release has model.* / visual.*.
     checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
+    encoder_modules = ("visual",)  # prefill-sized products only: one weight layout when prepacked
 
     def __init__(self, config: Any) -> None:
         text_config = getattr(config, "text_config", None) or config

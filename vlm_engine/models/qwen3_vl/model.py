@@ -12,11 +12,13 @@ from torch import nn
 
 from vlm_engine.models.decoder import CausalLM, rope_parameters
 from vlm_engine.models.layers import GatedMLP
+from vlm_engine.models.qwen3_vl.vision import Qwen3VisionTower
 
 
 class Qwen3VLForConditionalGeneration(CausalLM):
     # Transformers' names (the released checkpoints use them too) -> ours
     checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
+    encoder_modules = ("visual",)  # prefill-sized products only: one weight layout when prepacked
 
     def __init__(self, config: Any) -> None:
         text_config = config.text_config
@@ -30,7 +32,7 @@ class Qwen3VLForConditionalGeneration(CausalLM):
             mrope_interleaved=True,  # Transformers' Qwen3-VL always interleaves the axes
             mlp_factory=self._mlp_factory(text_config),
         )
-        self.visual = _build_vision_tower(config.vision_config)
+        self.visual = Qwen3VisionTower(config.vision_config)
         self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     def _mlp_factory(self, text_config: Any) -> Any:
@@ -42,8 +44,8 @@ class Qwen3VLForConditionalGeneration(CausalLM):
         to the decoder as ForwardContext.media_features)."""
         parameter = next(self.visual.parameters())
         pixels = torch.cat([p.to(device=parameter.device, dtype=parameter.dtype) for p in pixel_values])
-        out = self.visual(pixels, grid_thw=torch.tensor(grids, dtype=torch.long, device=parameter.device))
-        merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=1)
+        merged, deepstack = self.visual(pixels, torch.tensor(grids, dtype=torch.long, device=parameter.device))
+        merged = torch.cat([merged, *deepstack], dim=1)
         return list(merged.split([t * h * w // self.spatial_merge_size**2 for t, h, w in grids]))
 
 
@@ -110,10 +112,3 @@ class SparseMoE(nn.Module):
             out.index_add_(0, token, h)
         return out
 
-
-def _build_vision_tower(vision_config: Any) -> nn.Module:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    vision_config._attn_implementation = "sdpa"
-    with torch.device("cpu"):  # buffers computed at init, even when the caller builds on meta
-        return Qwen3VLVisionModel._from_config(vision_config)

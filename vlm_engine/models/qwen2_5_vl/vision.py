@@ -1,0 +1,417 @@
+"""Qwen2.5-VL's vision tower: window attention over 2x2-merged patch groups, full attention in a few
+blocks, RMSNorm + gated MLP, 2-D rotary positions; the merger's output in the original patch order.
+
+Parameter names are those of Transformers' `Qwen2_5_VisionTransformerPretrainedModel`, so a
+checkpoint's `visual.*` tensors load by name. In float32 every op runs as Transformers runs it, in
+the same order and on tensors of the same shapes, so the output is bit-identical
+(tests/test_vision_towers.py); the speed comes from what does not change a single sum:
+
+- Attention segments of equal length (the windows, or the images / frames of a full-attention
+  block) run as batched SDPA calls (`group_segments`) instead of Transformers' Python loop of one
+  call per window. Each (segment, head) is computed by the same CPU flash-attention kernel either
+  way, so the results are the same bits. Padding unequal windows to one length with a mask would
+  change the kernel's softmax sums (vectorised tails), so windows are batched by length instead.
+  One windowed block's attention on a 1024x768 image (3,996 patches, 70 windows), 2-core Zen 4,
+  min of 15: bf16 53 -> 35 ms, fp32 66 -> 44 ms.
+- Window order, its inverse, positions and RoPE tables are built once per grid list (cached).
+
+In bfloat16 on the CPU (the engine's default there) the element-wise work goes through the fused
+ops extension (`vlm_engine.models.fused_ops`): RMSNorm fused with the residual add, RoPE in place
+on the qkv output, in-place SiLU-and-mul, and the patch embedding is a matmul rather than a conv.
+Transformers rounds the same way except that its RoPE and norms round once from fp32 where these
+round products to bf16 first: both stay within bf16's own error of the fp32 model (the test's bound).
+
+What remains is the linears (~85% of the time: prepacked by the engine, `models/prepack.py`) and
+full attention (SDPA's flash kernel, ~50 GFLOP/s on this CPU: 1.4 s per full block at 3,996
+patches). benchmarks/vision_encoder.py, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
+shared with other jobs, min of 5 runs, ms (Transformers / ours / ours with prepacked linears):
+448x448 6116 / 2776 / 2364, 1024x768 10352 / 9386 / 8808.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+RMS_EPS = 1e-6  # Transformers' Qwen2_5_VLRMSNorm in the vision tower (not read from the config)
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported vision hidden_act {name!r} (have {sorted(_ACTIVATIONS)})")
+    return _ACTIVATIONS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over equal-length segments
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """`count` attention segments of `length` tokens each. `index` (the tokens, segment after
+    segment) is None when they lie back to back from `start`: then they are views, not gathers."""
+
+    length: int
+    start: int
+    count: int
+    index: torch.Tensor | None
+
+
+def group_segments(lengths: list[int]) -> tuple[SegmentGroup, ...]:
+    """Segments of a packed sequence (their lengths, in order) as SDPA batches: each run of two or
+    more consecutive equal-length segments is one batch of views; the segments left alone are
+    gathered into one batch per length (a lone one stays a view).
+
+    Runs, not one gather per length: a wide image's windows alternate between full tiles and the
+    cut-short tile ending each tile row, and gathering the full ones (index_select of q, k and v,
+    index_copy_ back) cost about as much as the per-window calls it saved (3,996 patches, bf16).
+    """
+    runs: list[list[int]] = []  # [length, start, count]
+    offset = 0
+    for length in lengths:
+        if length > 0:
+            if runs and runs[-1][0] == length and runs[-1][1] + runs[-1][2] * length == offset:
+                runs[-1][2] += 1
+            else:
+                runs.append([length, offset, 1])
+        offset += length
+    groups = [SegmentGroup(length, start, count, None) for length, start, count in runs if count > 1]
+    alone: dict[int, list[int]] = {}
+    for length, start, count in runs:
+        if count == 1:
+            alone.setdefault(length, []).append(start)
+    for length, starts in alone.items():
+        index = None if len(starts) == 1 else (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
+        groups.append(SegmentGroup(length, starts[0], len(starts), index))
+    return tuple(groups)
+
+
+def _batched(t: torch.Tensor, group: SegmentGroup, index: torch.Tensor | None) -> torch.Tensor:
+    """[N, H, D] tokens -> [count, H, length, D] for SDPA (a view where the segments are contiguous)."""
+    rows = t.narrow(0, group.start, group.count * group.length) if index is None else t.index_select(0, index)
+    return rows.unflatten(0, (group.count, group.length)).transpose(1, 2)
+
+
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: tuple[SegmentGroup, ...],
+    indexes: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """Bidirectional attention within each segment; q, k, v [N, H, D] -> [N, H * D].
+
+    One SDPA call per distinct segment length. SDPA's CPU kernel returns [B, H, L, D] laid out as
+    [B, L, H, D], so a single group covering the sequence needs no copy at all.
+    """
+    n, heads, dim = q.shape
+    if len(groups) == 1 and indexes[0] is None and groups[0].count * groups[0].length == n:
+        out = F.scaled_dot_product_attention(
+            _batched(q, groups[0], None), _batched(k, groups[0], None), _batched(v, groups[0], None), scale=scale
+        )
+        return out.transpose(1, 2).reshape(n, heads * dim)
+    out = q.new_empty(n, heads, dim)
+    for group, index in zip(groups, indexes, strict=True):
+        o = F.scaled_dot_product_attention(
+            _batched(q, group, index), _batched(k, group, index), _batched(v, group, index), scale=scale
+        ).transpose(1, 2)  # [count, length, H, D]
+        if index is None:
+            out.narrow(0, group.start, group.count * group.length).view_as(o).copy_(o)
+        else:
+            out.index_copy_(0, index, o.reshape(-1, heads, dim))
+    return out.view(n, heads * dim)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions and window order, per grid list
+
+
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    """The axial RoPE's inverse frequencies (head_dim // 4 of them, shared by the h and w axes), in
+    fp32 on the CPU with Transformers' expression: computed at first use, so the tower builds on meta."""
+    half = head_dim // 2
+    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+
+
+def merge_block_positions(grids: tuple[tuple[int, int, int], ...], merge: int) -> torch.Tensor:
+    """[N, 2] (row, col) of every patch, patches in the processor's order: per frame, merge x merge
+    blocks in raster order, raster order inside a block."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h).view(h // merge, 1, merge, 1).expand(h // merge, w // merge, merge, merge)
+        cols = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge)
+        out.append(torch.stack([rows.flatten(), cols.flatten()], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] in fp32: angles of the row axis, then the column axis, twice (the
+    rotate-half layout). The same elementwise ops on a tensor of the same shape as Transformers', so
+    even cos/sin (vectorised vs scalar tails) give its bits."""
+    angles = positions[..., None].float() * inv_freq  # [N, 2, head_dim // 4]
+    tables = []
+    for table in (angles.cos(), angles.sin()):
+        axes = torch.cat([table[:, 0], table[:, 1]], dim=-1)
+        tables.append(torch.cat([axes, axes], dim=-1))
+    return tables[0], tables[1]
+
+
+def window_order(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
+    """The order in which merged patch groups enter the blocks, and the window lengths in patches.
+
+    Per image and frame, the merged grid is cut into `window` x `window` tiles (the last row and
+    column of tiles cut short); tiles run in raster order, groups in raster order inside a tile.
+    A stable sort by tile number of the raster-ordered groups gives exactly that order.
+    """
+    order, lengths, offset = [], [], 0
+    unit = merge * merge
+    for t, h, w in grids:
+        gh, gw = h // merge, w // merge
+        tiles_h, tiles_w = -(-gh // window), -(-gw // window)
+        tile_row = (torch.arange(gh) // window)[:, None]
+        tile_col = (torch.arange(gw) // window)[None, :]
+        tile = (tile_row * tiles_w + tile_col).flatten()  # [gh * gw]
+        frame_tiles = torch.arange(t)[:, None] * (tiles_h * tiles_w) + tile  # [t, gh * gw]
+        order.append(torch.sort(frame_tiles.flatten(), stable=True).indices + offset)
+        counts = torch.bincount(frame_tiles.flatten(), minlength=t * tiles_h * tiles_w)
+        lengths.extend((counts * unit).tolist())
+        offset += t * gh * gw
+    return torch.cat(order), lengths
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a forward needs that depends on the grids only (CPU tensors)."""
+
+    token_order: torch.Tensor  # [N]: window order of the patches
+    merged_inverse: torch.Tensor  # [N / unit]: merged rows back to the original order
+    cos: torch.Tensor  # [N, head_dim] fp32, in window order
+    sin: torch.Tensor
+    window_groups: tuple[SegmentGroup, ...]
+    full_groups: tuple[SegmentGroup, ...]
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, window: int, head_dim: int, theta: float) -> _Plan:
+    unit = merge * merge
+    group_order, window_lengths = window_order(grids, merge, window)
+    token_order = (group_order[:, None] * unit + torch.arange(unit)).flatten()
+    merged_inverse = torch.empty_like(group_order)
+    merged_inverse[group_order] = torch.arange(group_order.numel())
+    cos, sin = rope_tables(merge_block_positions(grids, merge), inverse_frequencies(head_dim, theta))
+    # Frames stay contiguous in window order, so full attention is per frame in either order.
+    frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
+    return _Plan(
+        token_order=token_order,
+        merged_inverse=merged_inverse,
+        cos=cos[token_order],
+        sin=sin[token_order],
+        window_groups=group_segments(window_lengths),
+        full_groups=group_segments(frame_lengths),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Modules (names as Transformers')
+
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = RMS_EPS) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Transformers' order: statistics in fp32, normalised value rounded to x's dtype, then weight.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, hidden_size: int) -> None:
+        super().__init__()
+        self.patch_shape = (in_channels, temporal_patch_size, patch_size, patch_size)
+        self.hidden_size = hidden_size
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, hidden_size, kernel_size=kernel, stride=kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        if weight.dtype == torch.float32:  # the conv itself: Transformers' sums, bit for bit
+            return self.proj(pixels.view(-1, *self.patch_shape).to(weight.dtype)).view(-1, self.hidden_size)
+        # Kernel = stride: one output per patch, i.e. a matmul with the flattened kernel. In bf16
+        # oneDNN's conv took 324 ms for 3,996 patches (Qwen2.5-VL-3B's 1280 x 1176 kernel), the
+        # matmul 71 ms (2-core Zen 4).
+        return F.linear(pixels.reshape(-1, weight[0].numel()).to(weight.dtype), weight.flatten(1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: tuple[SegmentGroup, ...],
+        indexes: list[torch.Tensor | None],
+        fused: ModuleType | None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
+        if fused is not None:  # in place on the qkv output, cos/sin already in x's dtype
+            fused.rotary_(q, k, cos, sin)
+        else:
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return self.proj(segment_attention(q, k, v, groups, indexes, self.scale))
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [N, H, D] in fp32, rounded once to t's dtype (Transformers' ops, each a
+    separately rounded IEEE op, so the result does not depend on layout). cos/sin: [N, D] fp32."""
+    x = t.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos[:, None]) + (rotated * sin[:, None])).to(t.dtype)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=True)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.hidden_act = hidden_act
+        self.act = activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        # In place (no [N, I] temporaries); the same element-wise ops as act(gate) * up.
+        gate = F.silu(gate, inplace=True) if self.hidden_act in ("silu", "swish") else self.act(gate)
+        return self.down_proj(gate.mul_(self.up_proj(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm1 = VisionRMSNorm(config.hidden_size)
+        self.norm2 = VisionRMSNorm(config.hidden_size)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, hidden_size: int, out_hidden_size: int, merge: int) -> None:
+        super().__init__()
+        self.merged_size = hidden_size * merge * merge
+        self.ln_q = VisionRMSNorm(hidden_size)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.merged_size, self.merged_size), nn.GELU(), nn.Linear(self.merged_size, out_hidden_size)
+        )
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """The MLP on ln_q's output ([N, hidden] -> [N / merge**2, out])."""
+        return self.mlp(normed.reshape(-1, self.merged_size))
+
+
+class Qwen25VisionTower(nn.Module):
+    """Qwen2.5-VL's vision encoder: pixel patches [N, C * T * P * P] and grid_thw [k, 3] -> merged
+    features [N / merge**2, out_hidden_size], in the processor's patch order."""
+
+    def __init__(self, vision_config: Any) -> None:
+        super().__init__()
+        cfg = vision_config
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.out_hidden_size = cfg.out_hidden_size
+        # Window side in merged groups: 112 px / 14 px per patch / 2 patches per group = 4.
+        self.window_groups = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
+        self.fullatt_block_indexes = frozenset(cfg.fullatt_block_indexes)
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg.hidden_size, cfg.out_hidden_size, cfg.spatial_merge_size)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+        plan = _plan(grids, self.spatial_merge_size, self.window_groups, self.head_dim, self.rope_theta)
+        x = self.patch_embed(pixel_values)
+        device, dtype = x.device, x.dtype
+        fused = _fused_ops(device, dtype)
+        x = x.index_select(0, plan.token_order.to(device))
+        cos, sin = plan.cos.to(device), plan.sin.to(device)
+        if fused is not None:  # the fused RoPE takes tables in the activations' dtype
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        window = (plan.window_groups, [_on(g.index, device) for g in plan.window_groups])
+        full = (plan.full_groups, [_on(g.index, device) for g in plan.full_groups])
+        if fused is None:
+            for i, block in enumerate(self.blocks):
+                groups, indexes = full if i in self.fullatt_block_indexes else window
+                x = x + block.attn(block.norm1(x), cos, sin, groups, indexes, None)
+                x = x + block.mlp(block.norm2(x))
+            merged = self.merger.project(self.merger.ln_q(x))
+        else:
+            merged = self._forward_fused(x, cos, sin, window, full, fused)
+        return merged.index_select(0, plan.merged_inverse.to(device))
+
+    def _forward_fused(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        window: tuple[tuple[SegmentGroup, ...], list[torch.Tensor | None]],
+        full: tuple[tuple[SegmentGroup, ...], list[torch.Tensor | None]],
+        fused: ModuleType,
+    ) -> torch.Tensor:
+        """bf16 on the CPU: each residual add fused with the RMSNorm after it (the next block's
+        norm1, or the merger's ln_q after the last block), all in place on x and the residual."""
+        residual = x
+        normed = fused.rms_norm(residual, self.blocks[0].norm1.weight, RMS_EPS)
+        for i, block in enumerate(self.blocks):
+            groups, indexes = full if i in self.fullatt_block_indexes else window
+            out = block.attn(normed, cos, sin, groups, indexes, fused)
+            normed = fused.add_rms_norm_(out, residual, block.norm2.weight, RMS_EPS)
+            out = block.mlp(normed)
+            nxt = self.blocks[i + 1].norm1 if i + 1 < len(self.blocks) else self.merger.ln_q
+            normed = fused.add_rms_norm_(out, residual, nxt.weight, RMS_EPS)
+        return self.merger.project(normed)
+
+
+def _on(index: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if index is None else index.to(device)
+
+
+def _fused_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The fused-ops extension for bf16 on the CPU (None elsewhere, and in fp32, which keeps
+    Transformers' exact ops)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    return load_fused_ops()

@@ -1,0 +1,328 @@
+"""Qwen3-VL's vision tower (also Qwen3-VL-MoE's): a learned position table resampled to each grid,
+full attention per image / video frame, LayerNorm + GELU MLP blocks, 2-D rotary positions, the
+2x2 patch merger, and DeepStack mergers on the outputs of chosen blocks.
+
+Parameter names are those of Transformers' `Qwen3VLVisionModel`, so a checkpoint's `visual.*`
+tensors load by name. In float32 every op runs as Transformers runs it, on tensors of the same
+shapes, so the outputs are bit-identical (tests/test_vision_towers.py). Faster without changing a
+sum: frames / images of equal length attend in ONE batched SDPA call (Transformers loops over
+them); positions, RoPE tables and the resampling taps are built once per grid list (cached); the
+residual adds run in place. In bfloat16 on the CPU, RoPE runs in place on the qkv output through
+the fused-ops extension (products rounded to bf16 where Transformers rounds once from fp32).
+
+(Model families import nothing from one another, so the segment-attention and RoPE helpers repeat
+those of qwen2_5_vl/vision.py.)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LN_EPS = 1e-6  # Transformers' vision LayerNorms (blocks and mergers), not read from the config
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """`count` attention segments of `length` tokens; `index` (their tokens) None when they lie back
+    to back from `start` (then views, not gathers)."""
+
+    length: int
+    start: int
+    count: int
+    index: torch.Tensor | None
+
+
+def group_segments(lengths: list[int]) -> tuple[SegmentGroup, ...]:
+    """Segments of a packed sequence (their lengths, in order) as SDPA batches: each run of two or
+    more consecutive equal-length segments is one batch of views; the segments left alone are
+    gathered into one batch per length (a lone one stays a view).
+
+    Runs, not one gather per length: a wide image's windows alternate between full tiles and the
+    cut-short tile ending each tile row, and gathering the full ones (index_select of q, k and v,
+    index_copy_ back) cost about as much as the per-window calls it saved (3,996 patches, bf16).
+    """
+    runs: list[list[int]] = []  # [length, start, count]
+    offset = 0
+    for length in lengths:
+        if length > 0:
+            if runs and runs[-1][0] == length and runs[-1][1] + runs[-1][2] * length == offset:
+                runs[-1][2] += 1
+            else:
+                runs.append([length, offset, 1])
+        offset += length
+    groups = [SegmentGroup(length, start, count, None) for length, start, count in runs if count > 1]
+    alone: dict[int, list[int]] = {}
+    for length, start, count in runs:
+        if count == 1:
+            alone.setdefault(length, []).append(start)
+    for length, starts in alone.items():
+        index = None if len(starts) == 1 else (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
+        groups.append(SegmentGroup(length, starts[0], len(starts), index))
+    return tuple(groups)
+
+
+def _batched(t: torch.Tensor, group: SegmentGroup, index: torch.Tensor | None) -> torch.Tensor:
+    rows = t.narrow(0, group.start, group.count * group.length) if index is None else t.index_select(0, index)
+    return rows.unflatten(0, (group.count, group.length)).transpose(1, 2)
+
+
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: tuple[SegmentGroup, ...],
+    indexes: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """Bidirectional attention within each segment, one SDPA call per distinct length: the same CPU
+    flash-attention work per (segment, head) as one call per segment, so the same bits.
+    q, k, v [N, H, D] -> [N, H * D]."""
+    n, heads, dim = q.shape
+    if len(groups) == 1 and indexes[0] is None and groups[0].count * groups[0].length == n:
+        out = F.scaled_dot_product_attention(
+            _batched(q, groups[0], None), _batched(k, groups[0], None), _batched(v, groups[0], None), scale=scale
+        )
+        return out.transpose(1, 2).reshape(n, heads * dim)  # SDPA's CPU output is laid out [B, L, H, D]
+    out = q.new_empty(n, heads, dim)
+    for group, index in zip(groups, indexes, strict=True):
+        o = F.scaled_dot_product_attention(
+            _batched(q, group, index), _batched(k, group, index), _batched(v, group, index), scale=scale
+        ).transpose(1, 2)
+        if index is None:
+            out.narrow(0, group.start, group.count * group.length).view_as(o).copy_(o)
+        else:
+            out.index_copy_(0, index, o.reshape(-1, heads, dim))
+    return out.view(n, heads * dim)
+
+
+def merge_block_positions(grids: tuple[tuple[int, int, int], ...], merge: int) -> torch.Tensor:
+    """[N, 2] (row, col) of every patch in the processor's order (per frame, merge x merge blocks in
+    raster order, raster order inside a block)."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h).view(h // merge, 1, merge, 1).expand(h // merge, w // merge, merge, merge)
+        cols = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge)
+        out.append(torch.stack([rows.flatten(), cols.flatten()], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] fp32 of the axial RoPE (row angles, column angles, twice), with
+    Transformers' ops on tensors of its shapes (even cos/sin's vectorised tails then match)."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    angles = positions[..., None].float() * inv_freq  # [N, 2, head_dim // 4]
+    tables = []
+    for table in (angles.cos(), angles.sin()):
+        axes = torch.cat([table[:, 0], table[:, 1]], dim=-1)
+        tables.append(torch.cat([axes, axes], dim=-1))
+    return tables[0], tables[1]
+
+
+def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bilinear taps (2 per position) into a `side`-long table and their weights, align_corners=True:
+    position i of `size` maps to i * (side - 1) / (size - 1). Each float op is Transformers' (a
+    tensor divisor, as there: CPU division by a scalar may take a reciprocal)."""
+    src = index.float() * (side - 1) / torch.clamp(size - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def interpolation_taps(
+    grids: tuple[tuple[int, int, int], ...], positions: torch.Tensor, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, 4] rows of the side x side position table and their bilinear weights for every patch."""
+    heights = torch.cat([torch.full((t * h * w,), h) for t, h, w in grids])
+    widths = torch.cat([torch.full((t * h * w,), w) for t, h, w in grids])
+    h_taps, h_weights = _axis_taps(positions[:, 0], heights, side)
+    w_taps, w_weights = _axis_taps(positions[:, 1], widths, side)
+    indices = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+    weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+    return indices, weights
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cos: torch.Tensor  # [N, head_dim] fp32
+    sin: torch.Tensor
+    pos_indices: torch.Tensor  # [N, 4]
+    pos_weights: torch.Tensor  # [N, 4] fp32
+    groups: tuple[SegmentGroup, ...]  # one segment per image / video frame
+
+
+@functools.lru_cache(maxsize=16)
+def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, head_dim: int, theta: float, side: int) -> _Plan:
+    positions = merge_block_positions(grids, merge)
+    cos, sin = rope_tables(positions, head_dim, theta)
+    indices, weights = interpolation_taps(grids, positions, side)
+    return _Plan(cos, sin, indices, weights, group_segments([h * w for t, h, w in grids for _ in range(t)]))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, hidden_size: int) -> None:
+        super().__init__()
+        self.patch_shape = (in_channels, temporal_patch_size, patch_size, patch_size)
+        self.hidden_size = hidden_size
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        if weight.dtype == torch.float32:  # the conv itself: Transformers' sums, bit for bit
+            return self.proj(pixels.view(-1, *self.patch_shape).to(weight.dtype)).view(-1, self.hidden_size)
+        # Kernel = stride: one output per patch, i.e. a matmul with the flattened kernel. In bf16
+        # oneDNN's conv took 324 ms for 3,996 patches (Qwen2.5-VL-3B's 1280 x 1176 kernel), the
+        # matmul 71 ms (2-core Zen 4).
+        return F.linear(pixels.reshape(-1, weight[0].numel()).to(weight.dtype), weight.flatten(1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = hidden_size // num_heads
+        self.scale = self.head_dim**-0.5
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        groups: tuple[SegmentGroup, ...],
+        indexes: list[torch.Tensor | None],
+        fused: ModuleType | None,
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        if fused is not None:  # in place on the qkv output; cos/sin in x's dtype
+            fused.rotary_(q, k, cos, sin)
+        else:
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.proj(segment_attention(q, k, v, groups, indexes, self.scale))
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in fp32 with Transformers' separately rounded ops, rounded once to t's dtype."""
+    x = t.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos[:, None]) + (rotated * sin[:, None])).to(t.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported vision hidden_act {hidden_act!r} (have {sorted(_ACTIVATIONS)})")
+        self.linear_fc1 = nn.Linear(hidden_size, intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.act = _ACTIVATIONS[hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=LN_EPS)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=LN_EPS)
+        self.attn = VisionAttention(config.hidden_size, config.num_heads)
+        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+
+class PatchMerger(nn.Module):
+    """merge x merge patches -> one token: LayerNorm per patch (or, `postshuffle`, over the merged
+    row, as the DeepStack mergers), then Linear, GELU (erf), Linear."""
+
+    def __init__(self, hidden_size: int, out_hidden_size: int, merge: int, postshuffle: bool) -> None:
+        super().__init__()
+        self.merged_size = hidden_size * merge * merge
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.merged_size if postshuffle else hidden_size, eps=LN_EPS)
+        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.merged_size, out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.merged_size) if self.postshuffle else x).view(-1, self.merged_size)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL's vision encoder: pixel patches [N, C * T * P * P] and grid_thw [k, 3] ->
+    (merged [N / merge**2, out_hidden_size], one [N / merge**2, out_hidden_size] DeepStack feature per
+    `deepstack_visual_indexes` entry), rows in the processor's patch order."""
+
+    def __init__(self, vision_config: Any) -> None:
+        super().__init__()
+        cfg = vision_config
+        self.spatial_merge_size = cfg.spatial_merge_size
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.out_hidden_size = cfg.out_hidden_size
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.num_grid_per_side = int(cfg.num_position_embeddings**0.5)
+        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        merge = cfg.spatial_merge_size
+        self.merger = PatchMerger(cfg.hidden_size, cfg.out_hidden_size, merge, postshuffle=False)
+        self.deepstack_visual_indexes = list(cfg.deepstack_visual_indexes)
+        self.deepstack_merger_list = nn.ModuleList(
+            [
+                PatchMerger(cfg.hidden_size, cfg.out_hidden_size, merge, postshuffle=True)
+                for _ in self.deepstack_visual_indexes
+            ]
+        )
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
+        plan = _plan(grids, self.spatial_merge_size, self.head_dim, self.rope_theta, self.num_grid_per_side)
+        x = self.patch_embed(pixel_values)
+        device, dtype = x.device, x.dtype
+        weights = plan.pos_weights.to(device)
+        # Transformers' resampling: the 4 taps' rows times their weights (fp32 weights promote a
+        # bf16 table), summed, rounded to x's dtype, added.
+        x = x + (self.pos_embed(plan.pos_indices.to(device)) * weights[:, :, None]).sum(1).to(dtype)
+        fused = _fused_ops(device, dtype)
+        cos, sin = plan.cos.to(device), plan.sin.to(device)
+        if fused is not None:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        indexes = [None if g.index is None else g.index.to(device) for g in plan.groups]
+        deepstack: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x.add_(block.attn(block.norm1(x), cos, sin, plan.groups, indexes, fused))  # x + ...: same bits
+            x.add_(block.mlp(block.norm2(x)))
+            if i in self.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
+        return self.merger(x), deepstack
+
+
+def _fused_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The fused-ops extension for bf16 on the CPU; None elsewhere and in fp32 (Transformers' exact ops)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    return load_fused_ops()
