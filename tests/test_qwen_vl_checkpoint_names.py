@@ -17,16 +17,16 @@ import torch
 
 from vlm_engine.models import loader, registry
 
-QWEN2_5_VL_VISION = dict(
-    depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
-    temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
-    hidden_act="silu", in_channels=3,
-)
-QWEN3_VL_VISION_SMALL = dict(  # Qwen3-VL-2B / 4B
-    depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16, spatial_merge_size=2,
-    temporal_patch_size=2, num_position_embeddings=2304, deepstack_visual_indexes=[5, 11, 17],
-    hidden_act="gelu_pytorch_tanh", in_channels=3,
-)
+QWEN2_5_VL_VISION = {
+    "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "patch_size": 14, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+    "hidden_act": "silu", "in_channels": 3,
+}
+QWEN3_VL_VISION_SMALL = {  # Qwen3-VL-2B / 4B
+    "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "patch_size": 16, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17],
+    "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+}
 QWEN3_VL_VISION_LARGE = dict(  # Qwen3-VL-8B / 30B-A3B
     QWEN3_VL_VISION_SMALL, depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]
 )
@@ -45,17 +45,17 @@ REAL_CONFIGS: dict[str, tuple[str, dict[str, Any], dict[str, Any], bool]] = {
     # name: (config class, text config, vision config, tie_word_embeddings)
     "Qwen2.5-VL-3B-Instruct": (
         "Qwen2_5_VLConfig",
-        dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-             num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000, rms_norm_eps=1e-6,
-             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+        {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+             "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
         dict(QWEN2_5_VL_VISION, out_hidden_size=2048),
         True,
     ),
     "Qwen2.5-VL-7B-Instruct": (
         "Qwen2_5_VLConfig",
-        dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-             num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
-             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}),
+        {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+             "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}},
         dict(QWEN2_5_VL_VISION, out_hidden_size=3584),
         False,
     ),

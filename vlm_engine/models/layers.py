@@ -270,7 +270,7 @@ class DecoderLayer(_DecoderModule):
         mlp = self.mlp
         if isinstance(mlp, GatedMLP):
             gated, down = mlp.gated_rows_fn(fused), rows_fn(mlp.down_proj)
-            mlp_rows: RowsFn = lambda x: down(gated(x))  # noqa: E731
+            mlp_rows: RowsFn = lambda x: down(gated(x))
         else:  # another MLP (a sparse mixture of experts) runs as its own forward
             mlp_rows = mlp.forward
         rotary, add_rms_norm = fused.rotary_, fused.add_rms_norm_

@@ -36,28 +36,28 @@ QWEN2_5_VL_PRESETS: dict[str, Preset] = {
     # to the whole image and 0 and 2 to 56-px windows (2x2 merged groups): images of odd sizes get
     # windows cut at their edges. initializer_range 0.2 for distinct greedy tokens (see checkpoints.py).
     "tiny": {
-        "text": dict(
-            hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, mrope_section=[4, 6, 6], tie_word_embeddings=False,
-        ),
-        "vision": dict(
-            depth=4, hidden_size=64, intermediate_size=128, num_heads=4, window_size=56,
-            fullatt_block_indexes=[1, 3], tokens_per_second=2,
-        ),
+        "text": {
+            "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 4096, "mrope_section": [4, 6, 6], "tie_word_embeddings": False,
+        },
+        "vision": {
+            "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "window_size": 56,
+            "fullatt_block_indexes": [1, 3], "tokens_per_second": 2,
+        },
         "pixels": (4 * 28 * 28, 64 * 28 * 28),
         "std": 0.2,
         "dtype": "float32",
     },
     # Qwen2.5-VL-3B-Instruct's config.json values.
     "bench-3b": {
-        "text": dict(
-            hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
-            num_key_value_heads=2, max_position_embeddings=128000, mrope_section=[16, 24, 24], tie_word_embeddings=True,
-        ),
-        "vision": dict(
-            depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, window_size=112,
-            fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2,
-        ),
+        "text": {
+            "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+            "num_key_value_heads": 2, "max_position_embeddings": 128000, "mrope_section": [16, 24, 24], "tie_word_embeddings": True,
+        },
+        "vision": {
+            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        },
         "pixels": (3136, 12845056),
         "std": 0.02,
         "dtype": "bfloat16",
@@ -69,31 +69,31 @@ QWEN3_VL_PRESETS: dict[str, Preset] = {
     # M-RoPE, a 3-block tower with 16-px patches, an 8x8 learned position grid interpolated to each
     # image, and deepstack features from blocks 0 and 1 added after decoder layers 0 and 1.
     "tiny": {
-        "text": dict(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, mrope_section=[4, 6, 6],
-            tie_word_embeddings=False,
-        ),
-        "vision": dict(
-            depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        ),
+        "text": {
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096, "mrope_section": [4, 6, 6],
+            "tie_word_embeddings": False,
+        },
+        "vision": {
+            "depth": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+        },
         "pixels": (4 * 32 * 32, 64 * 32 * 32),
         "std": 0.2,
         "dtype": "float32",
     },
     # The same with Qwen3-VL-MoE's text model (Qwen3-VL-30B-A3B's shape, tiny): 8 experts, top 2.
     "tiny-moe": {
-        "text": dict(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, mrope_section=[4, 6, 6],
-            tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-            decoder_sparse_step=1,
-        ),
-        "vision": dict(
-            depth=3, hidden_size=64, intermediate_size=128, num_heads=4, num_position_embeddings=64,
-            deepstack_visual_indexes=[0, 1],
-        ),
+        "text": {
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 4096, "mrope_section": [4, 6, 6],
+            "tie_word_embeddings": False, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+            "decoder_sparse_step": 1,
+        },
+        "vision": {
+            "depth": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0, 1],
+        },
         "pixels": (4 * 32 * 32, 64 * 32 * 32),
         "std": 0.2,
         "dtype": "float32",
@@ -121,12 +121,12 @@ def _token_ids(tokenizer: Any) -> dict[str, int]:
 
 
 def _media_token_ids(token_ids: dict[str, int]) -> dict[str, int]:
-    return dict(
-        image_token_id=token_ids["<|image_pad|>"],
-        video_token_id=token_ids["<|video_pad|>"],
-        vision_start_token_id=token_ids["<|vision_start|>"],
-        vision_end_token_id=token_ids["<|vision_end|>"],
-    )
+    return {
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+    }
 
 
 def qwen2_5_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
@@ -220,7 +220,7 @@ def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> P
         tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
     token_ids = _token_ids(tokenizer)
     _save_model(Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config(spec, token_ids), spec, seed, token_ids, out)
-    patches = dict(patch_size=14, temporal_patch_size=2, merge_size=2)
+    patches = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches),
         video_processor=Qwen2VLVideoProcessor(size=_size(spec["pixels"]), **patches),
@@ -251,8 +251,8 @@ def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
     moe = "num_experts" in spec["text"]
     model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     _save_model(model_class, config, spec, seed, token_ids, out)
-    patches = dict(patch_size=16, temporal_patch_size=2, merge_size=2)
-    mean_std = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])  # Qwen3-VL's processor config
+    patches = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
+    mean_std = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's processor config
     processor = Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
         video_processor=Qwen3VLVideoProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
