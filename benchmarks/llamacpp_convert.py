@@ -12,6 +12,12 @@ PEERS.md); two of its assumptions do not hold for checkpoints made by
 - the mmproj tensor-name map is built for `block_count` vision blocks, yet Qwen2-VL's projector
   is named `visual.merger.mlp.{0,2}` by block index: a 2-block test tower has no name for
   `mlp.2`. The map is built for at least 3 blocks (names only; no tensor is invented).
+
+Qwen2.5-VL (`vlm_engine.testing.qwen_vl_checkpoints`, "tiny" and "bench-3b") converts with these two alone,
+text (`--outtype bf16`) and `--mmproj` (checked with llama-cpp-python 0.3.36's tree). Two things to know: the
+tree's Qwen2-VL/2.5-VL class tries `sentencepiece` before the BPE vocabulary and fails on the import if it is
+missing (the bench extra installs it); and the mmproj file has no window-size key, so llama.cpp's vision tower
+uses 112-px windows, which the tiny preset's 56-px windows are not (bench-3b's are: the real model's 112).
 """
 
 from __future__ import annotations

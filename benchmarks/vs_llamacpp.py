@@ -150,7 +150,9 @@ def build_llama_server() -> Path:
     out = build_dir()
     subprocess.run(["cmake", "-B", out, "-G", "Ninja", *flags], cwd=tree, check=True)
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", out, "-j", jobs, "--target", "llama-server"], cwd=tree, check=True)
+    # llama-quantize too: qwen2_5_vl_vs_llamacpp.py makes its Q4_K_M file with it.
+    targets = ["llama-server", "llama-quantize"]
+    subprocess.run(["cmake", "--build", out, "-j", jobs, "--target", *targets], cwd=tree, check=True)
     return tree / out / "bin" / "llama-server"
 
 
