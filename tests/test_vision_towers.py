@@ -111,7 +111,7 @@ def test_qwen25_bf16_close(
 ) -> None:
     cfg, theirs, state = qwen25
     if not fused:
-        monkeypatch.setattr(qwen25_vision, "_fused_ops", lambda device, dtype: None)
+        monkeypatch.setattr(qwen25_vision, "cpu_fused_ops", lambda device, dtype: None)
     ours = _ours(Qwen25VisionTower, cfg, state, torch.bfloat16)
     theirs_bf16 = _theirs_in(theirs, torch.bfloat16)
     grid = torch.tensor([[1, 10, 14], [3, 8, 12]])
@@ -206,7 +206,7 @@ def test_qwen3_bf16_close(
 ) -> None:
     cfg, theirs, state = qwen3
     if not fused:
-        monkeypatch.setattr(qwen3_vision, "_fused_ops", lambda device, dtype: None)
+        monkeypatch.setattr(qwen3_vision, "cpu_fused_ops", lambda device, dtype: None)
     ours = _ours(Qwen3VisionTower, cfg, state, torch.bfloat16)
     theirs_bf16 = _theirs_in(theirs, torch.bfloat16)
     grid = torch.tensor([[1, 10, 14], [3, 8, 12]])

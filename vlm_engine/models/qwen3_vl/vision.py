@@ -26,6 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.models.vision_blocks import (
+    SegmentGroup,
+    cpu_fused_ops,
+    group_segments,
+    merge_block_positions,
+    rotate,
+    segment_attention,
+)
+
 LN_EPS = 1e-6  # Transformers' vision LayerNorms (blocks and mergers), not read from the config
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -34,91 +43,6 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
 }
-
-
-@dataclass(frozen=True)
-class SegmentGroup:
-    """`count` attention segments of `length` tokens; `index` (their tokens) None when they lie back
-    to back from `start` (then views, not gathers)."""
-
-    length: int
-    start: int
-    count: int
-    index: torch.Tensor | None
-
-
-def group_segments(lengths: list[int]) -> tuple[SegmentGroup, ...]:
-    """Segments of a packed sequence (their lengths, in order) as SDPA batches: each run of two or
-    more consecutive equal-length segments is one batch of views; the segments left alone are
-    gathered into one batch per length (a lone one stays a view).
-
-    Runs, not one gather per length: a wide image's windows alternate between full tiles and the
-    cut-short tile ending each tile row, and gathering the full ones (index_select of q, k and v,
-    index_copy_ back) cost about as much as the per-window calls it saved (3,996 patches, bf16).
-    """
-    runs: list[list[int]] = []  # [length, start, count]
-    offset = 0
-    for length in lengths:
-        if length > 0:
-            if runs and runs[-1][0] == length and runs[-1][1] + runs[-1][2] * length == offset:
-                runs[-1][2] += 1
-            else:
-                runs.append([length, offset, 1])
-        offset += length
-    groups = [SegmentGroup(length, start, count, None) for length, start, count in runs if count > 1]
-    alone: dict[int, list[int]] = {}
-    for length, start, count in runs:
-        if count == 1:
-            alone.setdefault(length, []).append(start)
-    for length, starts in alone.items():
-        index = None if len(starts) == 1 else (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
-        groups.append(SegmentGroup(length, starts[0], len(starts), index))
-    return tuple(groups)
-
-
-def _batched(t: torch.Tensor, group: SegmentGroup, index: torch.Tensor | None) -> torch.Tensor:
-    rows = t.narrow(0, group.start, group.count * group.length) if index is None else t.index_select(0, index)
-    return rows.unflatten(0, (group.count, group.length)).transpose(1, 2)
-
-
-def segment_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    groups: tuple[SegmentGroup, ...],
-    indexes: list[torch.Tensor | None],
-    scale: float,
-) -> torch.Tensor:
-    """Bidirectional attention within each segment, one SDPA call per distinct length: the same CPU
-    flash-attention work per (segment, head) as one call per segment, so the same bits.
-    q, k, v [N, H, D] -> [N, H * D]."""
-    n, heads, dim = q.shape
-    if len(groups) == 1 and indexes[0] is None and groups[0].count * groups[0].length == n:
-        out = F.scaled_dot_product_attention(
-            _batched(q, groups[0], None), _batched(k, groups[0], None), _batched(v, groups[0], None), scale=scale
-        )
-        return out.transpose(1, 2).reshape(n, heads * dim)  # SDPA's CPU output is laid out [B, L, H, D]
-    out = q.new_empty(n, heads, dim)
-    for group, index in zip(groups, indexes, strict=True):
-        o = F.scaled_dot_product_attention(
-            _batched(q, group, index), _batched(k, group, index), _batched(v, group, index), scale=scale
-        ).transpose(1, 2)
-        if index is None:
-            out.narrow(0, group.start, group.count * group.length).view_as(o).copy_(o)
-        else:
-            out.index_copy_(0, index, o.reshape(-1, heads, dim))
-    return out.view(n, heads * dim)
-
-
-def merge_block_positions(grids: tuple[tuple[int, int, int], ...], merge: int) -> torch.Tensor:
-    """[N, 2] (row, col) of every patch in the processor's order (per frame, merge x merge blocks in
-    raster order, raster order inside a block)."""
-    out = []
-    for t, h, w in grids:
-        rows = torch.arange(h).view(h // merge, 1, merge, 1).expand(h // merge, w // merge, merge, merge)
-        cols = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge)
-        out.append(torch.stack([rows.flatten(), cols.flatten()], dim=-1).repeat(t, 1))
-    return torch.cat(out)
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,16 +141,8 @@ class VisionAttention(nn.Module):
         if fused is not None:  # in place on the qkv output; cos/sin in x's dtype
             fused.rotary_(q, k, cos, sin)
         else:
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return self.proj(segment_attention(q, k, v, groups, indexes, self.scale))
-
-
-def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in fp32 with Transformers' separately rounded ops, rounded once to t's dtype."""
-    x = t.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return ((x * cos[:, None]) + (rotated * sin[:, None])).to(t.dtype)
 
 
 class VisionMLP(nn.Module):
@@ -305,7 +221,7 @@ class Qwen3VisionTower(nn.Module):
         # Transformers' resampling: the 4 taps' rows times their weights (fp32 weights promote a
         # bf16 table), summed, rounded to x's dtype, added.
         x = x + (self.pos_embed(plan.pos_indices.to(device)) * weights[:, :, None]).sum(1).to(dtype)
-        fused = _fused_ops(device, dtype)
+        fused = cpu_fused_ops(device, dtype)
         cos, sin = plan.cos.to(device), plan.sin.to(device)
         if fused is not None:
             cos, sin = cos.to(dtype), sin.to(dtype)
@@ -319,10 +235,3 @@ class Qwen3VisionTower(nn.Module):
         return self.merger(x), deepstack
 
 
-def _fused_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The fused-ops extension for bf16 on the CPU; None elsewhere and in fp32 (Transformers' exact ops)."""
-    if device.type != "cpu" or dtype != torch.bfloat16:
-        return None
-    from vlm_engine.models.fused_ops import load_fused_ops
-
-    return load_fused_ops()

@@ -1,0 +1,118 @@
+"""Blocks the Qwen-VL vision towers share (qwen2_5_vl/vision.py, qwen3_vl/vision.py): attention within
+equal-length segments (windows, frames) as batched SDPA calls, the processor's patch positions, the
+exact-fp32 rotate-half RoPE, and the fused-ops extension for bf16 on the CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """`count` attention segments of `length` tokens each. `index` (the tokens, segment after
+    segment) is None when they lie back to back from `start`: then they are views, not gathers."""
+
+    length: int
+    start: int
+    count: int
+    index: torch.Tensor | None
+
+
+def group_segments(lengths: list[int]) -> tuple[SegmentGroup, ...]:
+    """Segments of a packed sequence (their lengths, in order) as SDPA batches: each run of two or
+    more consecutive equal-length segments is one batch of views; the segments left alone are
+    gathered into one batch per length (a lone one stays a view).
+
+    Runs, not one gather per length: a wide image's windows alternate between full tiles and the
+    cut-short tile ending each tile row, and gathering the full ones (index_select of q, k and v,
+    index_copy_ back) cost about as much as the per-window calls it saved (3,996 patches, bf16).
+    """
+    runs: list[list[int]] = []  # [length, start, count]
+    offset = 0
+    for length in lengths:
+        if length > 0:
+            if runs and runs[-1][0] == length and runs[-1][1] + runs[-1][2] * length == offset:
+                runs[-1][2] += 1
+            else:
+                runs.append([length, offset, 1])
+        offset += length
+    groups = [SegmentGroup(length, start, count, None) for length, start, count in runs if count > 1]
+    alone: dict[int, list[int]] = {}
+    for length, start, count in runs:
+        if count == 1:
+            alone.setdefault(length, []).append(start)
+    for length, starts in alone.items():
+        index = None if len(starts) == 1 else (torch.tensor(starts)[:, None] + torch.arange(length)).flatten()
+        groups.append(SegmentGroup(length, starts[0], len(starts), index))
+    return tuple(groups)
+
+
+def _batched(t: torch.Tensor, group: SegmentGroup, index: torch.Tensor | None) -> torch.Tensor:
+    """[N, H, D] tokens -> [count, H, length, D] for SDPA (a view where the segments are contiguous)."""
+    rows = t.narrow(0, group.start, group.count * group.length) if index is None else t.index_select(0, index)
+    return rows.unflatten(0, (group.count, group.length)).transpose(1, 2)
+
+
+def segment_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    groups: tuple[SegmentGroup, ...],
+    indexes: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """Bidirectional attention within each segment; q, k, v [N, H, D] -> [N, H * D].
+
+    One SDPA call per distinct segment length. SDPA's CPU kernel returns [B, H, L, D] laid out as
+    [B, L, H, D], so a single group covering the sequence needs no copy at all.
+    """
+    n, heads, dim = q.shape
+    if len(groups) == 1 and indexes[0] is None and groups[0].count * groups[0].length == n:
+        out = F.scaled_dot_product_attention(
+            _batched(q, groups[0], None), _batched(k, groups[0], None), _batched(v, groups[0], None), scale=scale
+        )
+        return out.transpose(1, 2).reshape(n, heads * dim)
+    out = q.new_empty(n, heads, dim)
+    for group, index in zip(groups, indexes, strict=True):
+        o = F.scaled_dot_product_attention(
+            _batched(q, group, index), _batched(k, group, index), _batched(v, group, index), scale=scale
+        ).transpose(1, 2)  # [count, length, H, D]
+        if index is None:
+            out.narrow(0, group.start, group.count * group.length).view_as(o).copy_(o)
+        else:
+            out.index_copy_(0, index, o.reshape(-1, heads, dim))
+    return out.view(n, heads * dim)
+
+
+def merge_block_positions(grids: tuple[tuple[int, int, int], ...], merge: int) -> torch.Tensor:
+    """[N, 2] (row, col) of every patch, patches in the processor's order: per frame, merge x merge
+    blocks in raster order, raster order inside a block."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h).view(h // merge, 1, merge, 1).expand(h // merge, w // merge, merge, merge)
+        cols = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge)
+        out.append(torch.stack([rows.flatten(), cols.flatten()], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on [N, H, D] in fp32, rounded once to t's dtype (Transformers' ops, each a
+    separately rounded IEEE op, so the result does not depend on layout). cos/sin: [N, D] fp32."""
+    x = t.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos[:, None]) + (rotated * sin[:, None])).to(t.dtype)
+
+
+def cpu_fused_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The fused-ops extension for bf16 on the CPU (None elsewhere, and in fp32, which keeps
+    Transformers' exact ops)."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    from vlm_engine.models.fused_ops import load_fused_ops
+
+    return load_fused_ops()
