@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import inspect
 import io
 import threading
 import time
@@ -240,6 +241,8 @@ def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], lis
     its PyAV reader would build), so our frames are the ones Transformers would feed the model."""
     from transformers.video_utils import VideoMetadata
 
+    sample = video_processor.sample_frames
+
     def choose(info: VideoInfo, sampling: VideoSampling) -> list[int]:
         metadata = VideoMetadata(
             total_num_frames=info.num_frames,
@@ -250,7 +253,7 @@ def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], lis
             width=info.width,
         )
         try:
-            indices = video_processor.sample_frames(metadata, fps=sampling.fps, max_frames=sampling.max_frames)
+            indices = sample(metadata, fps=sampling.fps, max_frames=sampling.max_frames)
         except ValueError as exc:
             raise MediaError(f"cannot sample frames from this video: {exc}") from None
         except ZeroDivisionError:
@@ -261,7 +264,12 @@ def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], lis
                 f"cannot sample frames from this video: the model takes frames in groups of {step}, and "
                 f"{info.num_frames} frame(s) with max_frames {sampling.max_frames} make no whole group"
             ) from None
-        return [int(i) for i in np.asarray(indices).reshape(-1)]
+        chosen = [int(i) for i in np.asarray(indices).reshape(-1)]
+        if len(chosen) > sampling.max_frames and "num_frames" in inspect.signature(sample).parameters:
+            # A sampler that caps with its own max_frames attribute and ignores ours (Qwen3-VL's): ask it
+            # for our cap's count, spread over the clip as its own cap would be.
+            chosen = [int(i) for i in np.asarray(sample(metadata, num_frames=sampling.max_frames)).reshape(-1)]
+        return chosen
 
     return choose
 

@@ -220,3 +220,11 @@ def test_ngram_speculation_is_token_exact(variant: tuple[str, Path], references:
         speculative="ngram", speculative_disable_batch_size=1000,
     )
     assert [o.token_ids for o in spec.chat(CONVERSATIONS[:3], GREEDY)] == references[:3]
+
+
+def test_max_frames_caps_the_video(engine: Engine) -> None:
+    """Qwen3-VL's frame sampler caps with its own max_frames attribute and ignores the caller's: the
+    request's cap must still hold (8 frames = 4 temporal groups of 2), spread over the whole clip."""
+    long_clip = make_clip(width=64, height=48, fps=10, seconds=20)
+    prompt = engine.process_messages(video_conv(long_clip), mm_processor_kwargs={"fps": FPS, "max_frames": 8})
+    assert sum(m.grid_thw[0] for m in prompt.media if m.kind == "video") == 4
