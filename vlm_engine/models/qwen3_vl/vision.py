@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,12 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.vision_blocks import (
+    PatchEmbed,
     SegmentGroup,
+    VisionAttention,
     cpu_fused_ops,
     group_segments,
     merge_block_positions,
-    rotate,
-    segment_attention,
 )
 
 LN_EPS = 1e-6  # Transformers' vision LayerNorms (blocks and mergers), not read from the config
@@ -100,51 +99,6 @@ def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, head_dim: int, th
     return _Plan(cos, sin, indices, weights, group_segments([h * w for t, h, w in grids for _ in range(t)]))
 
 
-class PatchEmbed(nn.Module):
-    def __init__(self, patch_size: int, temporal_patch_size: int, in_channels: int, hidden_size: int) -> None:
-        super().__init__()
-        self.patch_shape = (in_channels, temporal_patch_size, patch_size, patch_size)
-        self.hidden_size = hidden_size
-        kernel = (temporal_patch_size, patch_size, patch_size)
-        self.proj = nn.Conv3d(in_channels, hidden_size, kernel_size=kernel, stride=kernel, bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        weight = self.proj.weight
-        if weight.dtype == torch.float32:  # the conv itself: Transformers' sums, bit for bit
-            return self.proj(pixels.view(-1, *self.patch_shape).to(weight.dtype)).view(-1, self.hidden_size)
-        # Kernel = stride: one output per patch, i.e. a matmul with the flattened kernel. In bf16
-        # oneDNN's conv took 324 ms for 3,996 patches (Qwen2.5-VL-3B's 1280 x 1176 kernel), the
-        # matmul 71 ms (2-core Zen 4).
-        return F.linear(pixels.reshape(-1, weight[0].numel()).to(weight.dtype), weight.flatten(1), self.proj.bias)
-
-
-class VisionAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = hidden_size // num_heads
-        self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        groups: tuple[SegmentGroup, ...],
-        indexes: list[torch.Tensor | None],
-        fused: ModuleType | None,
-    ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        if fused is not None:  # in place on the qkv output; cos/sin in x's dtype
-            fused.rotary_(q, k, cos, sin)
-        else:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        return self.proj(segment_attention(q, k, v, groups, indexes, self.scale))
-
-
 class VisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
@@ -199,7 +153,7 @@ class Qwen3VisionTower(nn.Module):
         rope = getattr(cfg, "rope_parameters", None) or {}
         self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
         self.num_grid_per_side = int(cfg.num_position_embeddings**0.5)
-        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size)
+        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         merge = cfg.spatial_merge_size
