@@ -236,22 +236,29 @@ def uniform_indices(info: VideoInfo, sampling: VideoSampling) -> list[int]:
     return [int(i) for i in np.arange(n, dtype=np.int64) * total // n]
 
 
+def hf_video_metadata(info: VideoInfo, indices: list[int] | None = None) -> Any:
+    """The `VideoMetadata` Transformers' PyAV reader builds for this clip (with the chosen frames'
+    indices once they are chosen): what its frame samplers and processors read."""
+    from transformers.video_utils import VideoMetadata
+
+    return VideoMetadata(
+        total_num_frames=info.num_frames,
+        fps=info.average_fps,
+        duration=info.duration_s,
+        video_backend="pyav",
+        height=info.height,
+        width=info.width,
+        frames_indices=indices,
+    )
+
+
 def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], list[int]]:
     """The model's own Hugging Face video processor chooses (its `sample_frames` on the metadata
     its PyAV reader would build), so our frames are the ones Transformers would feed the model."""
-    from transformers.video_utils import VideoMetadata
-
     sample = video_processor.sample_frames
 
     def choose(info: VideoInfo, sampling: VideoSampling) -> list[int]:
-        metadata = VideoMetadata(
-            total_num_frames=info.num_frames,
-            fps=info.average_fps,
-            duration=info.duration_s,
-            video_backend="pyav",
-            height=info.height,
-            width=info.width,
-        )
+        metadata = hf_video_metadata(info)
         try:
             indices = sample(metadata, fps=sampling.fps, max_frames=sampling.max_frames)
         except ValueError as exc:

@@ -52,6 +52,12 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
     return Image.fromarray(pixels.astype(np.uint8), "RGB")
 
 
+def user(*parts: Any) -> list[dict[str, Any]]:
+    """One user message of text (str) and image (PIL) parts, in order."""
+    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
+    return [{"role": "user", "content": content}]
+
+
 def to_hf_messages(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Image.Image]]:
     """OpenAI-style messages with PIL image parts -> Transformers chat format and the image list."""
     out, images = [], []

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import hf_greedy, make_image, to_hf_messages
+from tests.conftest import hf_greedy, make_image, to_hf_messages, user
 from vlm_engine import Engine, SamplingParams
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-
-
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 CONVERSATIONS = [

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, make_image, to_hf_messages
+from tests.conftest import hf_greedy, make_image, to_hf_messages, user
 from tests.test_fast_numerics import compare_greedy_logprobs
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
@@ -29,11 +29,6 @@ VARIANTS = {
     "qwen3-vl": lambda: cached_qwen3_vl("tiny"),
     "qwen3-vl-moe": lambda: cached_qwen3_vl("tiny-moe"),
 }
-
-
-def user(*parts: Any) -> list[dict[str, Any]]:
-    content = [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image", "image": p} for p in parts]
-    return [{"role": "user", "content": content}]
 
 
 CONVERSATIONS = [

@@ -15,7 +15,7 @@ from PIL import Image
 from preprocess.errors import PromptError
 from preprocess.family_prompts import FrameChooser, Timer, placeholder_runs
 from preprocess.hashing import hash_to_int, image_content_hash
-from preprocess.video import DecodedVideo, hf_indices, uniform_indices
+from preprocess.video import DecodedVideo, hf_indices, hf_video_metadata, uniform_indices
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
 
@@ -109,7 +109,7 @@ class ProcessorPrompts:
                     videos=[v.frames for v in videos] or None,
                     # what Transformers' own reader reports: the timing of the chosen frames (Qwen2.5-VL's
                     # temporal positions and Qwen3-VL's timestamp text follow it)
-                    **({"video_metadata": [video_metadata(v) for v in videos]} if videos else {}),
+                    **({"video_metadata": [hf_video_metadata(v.info, list(v.indices)) for v in videos]} if videos else {}),
                     do_sample_frames=False,  # the frames were chosen (and decoded) by preprocess.video
                     return_tensors="pt",
                     **({"device": self.video_device} if videos and self.video_device != "cpu" else {}),
@@ -134,18 +134,3 @@ class ProcessorPrompts:
             grid_seconds = float(seconds[i]) if seconds is not None else None
             yield MediaInput(kind, MediaSpan(offset, length, content_hash), pixels, grid, grid_seconds)
 
-
-def video_metadata(video: DecodedVideo) -> Any:
-    """The metadata Transformers' PyAV reader gives the processor for these chosen frames."""
-    from transformers.video_utils import VideoMetadata
-
-    info = video.info
-    return VideoMetadata(
-        total_num_frames=info.num_frames,
-        fps=info.average_fps,
-        duration=info.duration_s,
-        video_backend="pyav",
-        height=info.height,
-        width=info.width,
-        frames_indices=list(video.indices),
-    )

@@ -116,8 +116,13 @@ def _text_config(values: dict[str, Any], token_ids: dict[str, int], rope_theta: 
     }
 
 
-def _token_ids(tokenizer: Any) -> dict[str, int]:
-    return {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL_TOKENS}
+def _start_checkpoint(path: str | Path) -> tuple[Path, Any, dict[str, int]]:
+    """The output directory, the locally trained tokenizer and its special token ids."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
+        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
+    return out, tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL_TOKENS}
 
 
 def _media_token_ids(token_ids: dict[str, int]) -> dict[str, int]:
@@ -214,11 +219,7 @@ def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> P
     )
 
     spec = QWEN2_5_VL_PRESETS[preset]
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
-        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
-    token_ids = _token_ids(tokenizer)
+    out, tokenizer, token_ids = _start_checkpoint(path)
     _save_model(Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config(spec, token_ids), spec, seed, token_ids, out)
     patches = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
     processor = Qwen2_5_VLProcessor(
@@ -242,11 +243,7 @@ def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
     )
 
     spec = QWEN3_VL_PRESETS[preset]
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
-        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
-    token_ids = _token_ids(tokenizer)
+    out, tokenizer, token_ids = _start_checkpoint(path)
     config = qwen3_vl_config(spec, token_ids)
     moe = "num_experts" in spec["text"]
     model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
