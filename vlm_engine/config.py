@@ -215,9 +215,21 @@ class CacheConfig:
         default=16, metadata=doc("tokens per KV page; also the prefix-cache granularity", parse=positive_int)
     )
     kv_cache_tokens: int | None = field(
-        default=None, metadata=doc("KV pool size in tokens (default: from free memory)", parse=positive_int)
+        default=None,
+        metadata=doc(
+            "KV pool size in tokens (default: from free memory); sliding-window layers get a pool sized "
+            "for their windows",
+            parse=positive_int,
+        ),
     )
     enable_prefix_cache: bool = field(default=True, metadata=doc("reuse the KV pages of a prompt's cached prefix"))
+    disable_sliding_window: bool = field(
+        default=False,
+        metadata=doc(
+            "sliding-window layers attend to the whole context, their KV kept in full (for comparisons: "
+            "outputs then differ from the model's)"
+        ),
+    )
     encoder_cache_bytes: int = field(
         default=256 * 1024 * 1024, metadata=doc("vision-encoder outputs kept by content hash")
     )

@@ -35,10 +35,11 @@ from vlm_engine.models.registry import (
     resolve_model,
 )
 from vlm_engine.output_processor import OutputProcessor
-from vlm_engine.runner.model_runner import KVLayout, ModelRunner
+from vlm_engine.runner.model_runner import KVLayout, ModelRunner, attention_windows
 from vlm_engine.runner.sampler import SampledToken
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from vlm_engine.scheduler.window import WindowPages
 from vlm_engine.speculative import Speculator
 from vlm_engine.structured.spec import StructuredOutput
 
@@ -105,6 +106,8 @@ class Engine:
         cfg, cache, sched, spec = self.config.model, self.config.cache, self.config.scheduler, self.config.speculative
         self.source = resolve_model(cfg.model)
         self.hf_config = load_config(self.source)
+        if cache.disable_sliding_window:
+            _attend_fully(self.hf_config)
         self.device = default_device(cfg.device)
         if self.device.type == "cpu":
             keep_freed_memory()  # steps reuse their large activations instead of page-faulting them in
@@ -129,10 +132,18 @@ class Engine:
 
         layout = KVLayout.of(self.model)
         layouts = [layout] if draft_model is None else [layout, KVLayout.of(draft_model)]
-        num_pages = self._num_pages(layouts)
+        windows = attention_windows(self.model)
+        self.kv_page_bytes = self._kv_page_bytes(layouts, windows)
+        num_pages, num_window_pages = self._num_pages(windows)
         model_len = cfg.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
         self.max_model_len = min(model_len, num_pages * cache.page_size)
         self.pool = PagePool(num_pages, cache.page_size, cache.enable_prefix_cache)
+        # Sliding-window layers' KV: a pool of its own whose pages go back as the windows move on.
+        self.window_pool: PagePool | None = None
+        window_pages = None
+        if num_window_pages:
+            self.window_pool = PagePool(num_window_pages, cache.page_size, cache.enable_prefix_cache)
+            window_pages = WindowPages(self.window_pool, max(windows))
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=sched.max_num_seqs,
@@ -140,13 +151,16 @@ class Engine:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=sched.enable_chunked_prefill,
                 watermark_pages=max(0, num_pages // 100),
+                atomic_media_spans=bool(getattr(self.model, "bidirectional_media", False)),
             ),
             self.pool,
+            window_pages,
         )
         backend = create_backend(cfg.attention_backend, self.device)
         self.runner = ModelRunner(
-            self.model, self.device, self.dtype, num_pages, cache.page_size, backend, cache.encoder_cache_bytes, fused
-        )
+            self.model, self.device, self.dtype, num_pages, cache.page_size, backend, cache.encoder_cache_bytes, fused,
+            num_window_pages=num_window_pages,
+        )  # fmt: skip
         self.speculator = self._build_speculator(draft_model, num_pages, backend, fused)
         self.eos_token_ids = self._eos_token_ids()
         self._grammars: Any = None  # GrammarCompiler, built on the first constrained request
@@ -156,10 +170,10 @@ class Engine:
         self._recorder = StepRecorder(num_pages)
         logger.info(
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
-            "%d KV pages x %d tokens, max_model_len %d, speculative %s",
+            "%d KV pages x %d tokens (sliding-window layers: %d), max_model_len %d, speculative %s",
             self.source.name, self.dtype, cfg.numerics,
             cfg.quantization or ("bf16 (fp32 activations)" if self.bf16_weights else "unquantized"), backend.name,
-            fused is not None, tier_description(), num_pages, cache.page_size, self.max_model_len,
+            fused is not None, tier_description(), num_pages, cache.page_size, num_window_pages, self.max_model_len,
             f"{spec.speculative} k={spec.num_speculative_tokens}" if spec.speculative else "off",
         )
 
@@ -201,19 +215,45 @@ class Engine:
         self.scheduler.lookahead = speculator.lookahead
         return speculator
 
-    def _num_pages(self, layouts: list[KVLayout]) -> int:
+    def _kv_page_bytes(self, layouts: list[KVLayout], windows: tuple[int, ...]) -> tuple[int, int]:
+        """Bytes of one KV page in the full-attention pool (the draft model's layers included) and in
+        the sliding-window layers' pool."""
+        ps = self.config.cache.page_size
+        window_layers = sum(1 for w in windows if w)
+        window_bytes = layouts[0].bytes_per_token(self.dtype, window_layers) * ps
+        return sum(layout.bytes_per_token(self.dtype) for layout in layouts) * ps - window_bytes, window_bytes
+
+    def _window_pool_pages(self, windows: tuple[int, ...]) -> int:
+        """Enough window pages for every seat to hold its window plus one step's prefill."""
+        ps, sched = self.config.cache.page_size, self.config.scheduler
+        window_pages = -(-max(windows) // ps) + 1
+        return sched.max_num_seqs * window_pages + -(-sched.max_num_batched_tokens // ps) + 1
+
+    def _num_pages(self, windows: tuple[int, ...]) -> tuple[int, int]:
+        """Pages of the full-attention pool and of the sliding-window layers' (0: no such layers)."""
         cfg = self.config.cache
+        full_bytes, window_bytes = self.kv_page_bytes
+        window_cap = self._window_pool_pages(windows) if window_bytes else 0
         if cfg.kv_cache_tokens is not None:
-            return -(-cfg.kv_cache_tokens // cfg.page_size)
-        per_page = sum(layout.bytes_per_token(self.dtype) for layout in layouts) * cfg.page_size
+            num_pages = -(-cfg.kv_cache_tokens // cfg.page_size)
+            return num_pages, min(num_pages, window_cap)
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(free - total * (1 - cfg.gpu_memory_utilization))
         else:
             budget = min(int(_mem_available() * cfg.cpu_kv_cache_fraction), cfg.cpu_kv_cache_max_bytes)
-        if budget < per_page:
+        if budget < full_bytes + window_bytes:
             raise RuntimeError("not enough free memory for even one KV page")
-        return budget // per_page
+        if window_bytes and full_bytes and budget >= window_cap * (full_bytes + window_bytes):
+            return (budget - window_cap * window_bytes) // full_bytes, window_cap
+        num_pages = budget // (full_bytes + window_bytes)  # both pools alike when memory is that tight
+        return num_pages, num_pages if window_bytes else 0
+
+    def kv_bytes_in_use(self) -> int:
+        """KV bytes of the pages that requests hold now, in both pools."""
+        full_bytes, window_bytes = self.kv_page_bytes
+        used = self.pool.num_used * full_bytes
+        return used if self.window_pool is None else used + self.window_pool.num_used * window_bytes
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -551,6 +591,16 @@ def _per_prompt(sampling: SamplingParams | Sequence[SamplingParams] | None, n: i
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _attend_fully(hf_config: Any) -> None:
+    """`disable_sliding_window`: every layer of the config's `layer_types` attends to the whole context."""
+    text = text_config_of(hf_config)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        text.layer_types = ["full_attention"] * len(layer_types)
+    if getattr(text, "sliding_window", None) is not None:
+        text.sliding_window = None
 
 
 def _mem_available() -> int:

@@ -21,6 +21,15 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: pool slot (page * page_size + offset) of each new token
     query_lens_host: list[int]  # host copies, for backends that branch per sequence
     seq_lens_host: list[int]
+    # Attention that is not purely causal (a family whose media tokens attend to each other both
+    # ways, Gemma 3's images): the exclusive end of the KV positions each query token sees, [T]
+    # int32; a token outside such a span has its own position + 1. None: causal for every token.
+    kv_end: torch.Tensor | None = None
+    # The sliding-window layers' own pages, when the engine keeps their KV in a pool of its own
+    # (`window_pool`): block table and slot mapping as above. Entries for pages wholly before every
+    # query's window may be stale (those pages went back to the pool): a backend never reads them.
+    window_block_table: torch.Tensor | None = None
+    window_slot_mapping: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +58,7 @@ class AttentionBackend(Protocol):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,  # a sliding-window layer's window: key k is visible to query q iff k > q - window
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 

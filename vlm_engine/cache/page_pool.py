@@ -76,11 +76,19 @@ class PagePool:
             pages.append(page)
         self.queries += len(hashes)
         self.hits += len(pages)
+        self.acquire(pages)
+        return pages
+
+    def cached_page(self, page_hash: int) -> int | None:
+        """The page holding `page_hash`'s content, if cached (no reference taken)."""
+        return self.hash_to_page.get(page_hash) if self.enable_prefix_cache else None
+
+    def acquire(self, pages: list[int]) -> None:
+        """Take a reference on each of `pages` (cached pages found with `cached_page`)."""
         for page in pages:
             if self.ref_count[page] == 0:
                 del self._free[page]
             self.ref_count[page] += 1
-        return pages
 
     def register(self, page: int, page_hash: int) -> None:
         """Publish a full, computed page under its content hash (first writer wins)."""

@@ -40,6 +40,9 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "vlm_engine.models.qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "vlm_engine.models.qwen3_vl",
+    "SmolVLMForConditionalGeneration": "vlm_engine.models.smolvlm",
+    "Idefics3ForConditionalGeneration": "vlm_engine.models.smolvlm",
+    "Gemma3ForConditionalGeneration": "vlm_engine.models.gemma3",
     "PlacardForConditionalGeneration": "vlm_engine.models.placard",
 }
 

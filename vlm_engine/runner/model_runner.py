@@ -37,8 +37,20 @@ class KVLayout:
     def of(cls, model: VLModel) -> KVLayout:
         return cls(*model.kv_layout)
 
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """KV bytes of one token in all layers, or in `num_layers` of them."""
+        layers = self.num_layers if num_layers is None else num_layers
+        return 2 * layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def attention_windows(model: VLModel) -> tuple[int, ...]:
+    """Each decoder layer's sliding window (0: full attention), from the model's optional
+    `attention_windows`; all 0 for a model without one."""
+    num_layers = KVLayout.of(model).num_layers
+    windows = tuple(getattr(model, "attention_windows", None) or (0,) * num_layers)
+    if len(windows) != num_layers:
+        raise ValueError(f"attention_windows names {len(windows)} layers, the KV layout {num_layers}")
+    return windows
 
 
 @dataclass
@@ -63,6 +75,7 @@ class ModelRunner:
         encoder_cache_bytes: int = 0,
         fused_ops: ModuleType | None = None,
         merge_media: bool = True,  # False for a text-only draft model: placeholders stay token embeddings
+        num_window_pages: int = 0,  # > 0: the sliding-window layers' KV lives in a pool of this many pages
     ) -> None:
         self.model = model
         self.device = device
@@ -72,11 +85,13 @@ class ModelRunner:
         self.fused_ops = fused_ops
         self._argmax = fused_ops.argmax_rows if fused_ops is not None else None  # C++ row argmax
         self.layout = KVLayout.of(model)
-        shape = (num_pages, page_size, self.layout.num_kv_heads, self.layout.head_dim)
+        self.uses_window_pool = num_window_pages > 0
+        windows = attention_windows(model) if self.uses_window_pool else (0,) * self.layout.num_layers
         self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(self.layout.num_layers)
+            self._kv_tensors(num_window_pages if window else num_pages) for window in windows
         ]
+        # Media tokens that attend to each other both ways (Gemma 3's images): per-token KV ends.
+        self.bidirectional_media = bool(getattr(model, "bidirectional_media", False))
         self.position_axes = model.position_axes  # 3 for M-RoPE (t, h, w), else 1
         self.merge_media = merge_media
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -91,6 +106,13 @@ class ModelRunner:
         self.last_mask_wait_s = 0.0  # of that, how long the step waited for it after the forward
         # Requests of the last step whose logits were not finite (NaN / inf): no token, failed alone.
         self.last_nonfinite: list[str] = []
+
+    def _kv_tensors(self, num_pages: int) -> KVCache:
+        shape = (num_pages, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+        return (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
@@ -223,19 +245,21 @@ class ModelRunner:
             seq_lens.append(pos + 1)
             page_lists.append(pages)
         n = len(chunks)
-        block_table = np.zeros((n, max(map(len, page_lists))), dtype=np.int32)
-        for i, pages in enumerate(page_lists):
-            block_table[i, : len(pages)] = pages
         dev = self.device
         pos_tensor = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = AttentionMetadata(
             query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.from_numpy(block_table).to(dev),
+            block_table=self._block_table(page_lists),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_lens_host=[1] * n,
             seq_lens_host=seq_lens,
         )
+        if self.uses_window_pool:
+            window_pages = [c.request.window_page_ids for c in chunks]
+            meta.window_block_table = self._block_table(window_pages)
+            window_slots = [pages[p // ps] * ps + p % ps for pages, p in zip(window_pages, (c.start for c in chunks))]
+            meta.window_slot_mapping = torch.tensor(window_slots, dtype=torch.long, device=dev)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=pos_tensor.expand(self.position_axes, n).contiguous() if self.position_axes > 1 else pos_tensor,
@@ -249,18 +273,22 @@ class ModelRunner:
         ps = self.page_size
         input_ids: list[int] = []
         slots: list[np.ndarray] = []
+        window_slots: list[np.ndarray] = []
+        kv_ends: list[np.ndarray] = []
         positions: list[np.ndarray] = []
         query_lens, seq_lens, sample_rows, sample_chunks, row_offsets = [], [], [], [], []
-        max_pages = max(len(c.request.page_ids) for c in chunks)
-        block_table = np.zeros((len(chunks), max_pages), dtype=np.int32)
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             request = chunk.request
             start, end = chunk.start, chunk.end
             input_ids.extend(chunk.input_ids())
-            pages = np.asarray(request.page_ids, dtype=np.int64)
-            block_table[i, : len(pages)] = pages
             pos = np.arange(start, end, dtype=np.int64)
+            pages = np.asarray(request.page_ids, dtype=np.int64)
             slots.append(pages[pos // ps] * ps + pos % ps)
+            if self.uses_window_pool:
+                window_pages = np.asarray(request.window_page_ids, dtype=np.int64)
+                window_slots.append(window_pages[pos // ps] * ps + pos % ps)
+            if self.bidirectional_media:
+                kv_ends.append(_kv_ends(chunk, pos))
             positions.append(self._positions(request, pos))
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
@@ -274,11 +302,16 @@ class ModelRunner:
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.from_numpy(block_table).to(dev),
+            block_table=self._block_table([c.request.page_ids for c in chunks]),
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             query_lens_host=query_lens,
             seq_lens_host=seq_lens,
         )
+        if self.uses_window_pool:
+            meta.window_block_table = self._block_table([c.request.window_page_ids for c in chunks])
+            meta.window_slot_mapping = torch.from_numpy(np.concatenate(window_slots)).to(dev)
+        if kv_ends:
+            meta.kv_end = torch.from_numpy(np.concatenate(kv_ends).astype(np.int32)).to(dev)
         pos_all = np.concatenate(positions, axis=-1)
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
@@ -288,6 +321,15 @@ class ModelRunner:
             sample_chunks=sample_chunks,
             row_offsets=row_offsets,
         )
+
+    def _block_table(self, page_lists: list[list[int]]) -> torch.Tensor:
+        """[B, longest] int32 page ids; released window pages (-1) and padding read as page 0,
+        which no backend reads: they lie outside every query's visible range."""
+        table = np.zeros((len(page_lists), max(map(len, page_lists))), dtype=np.int32)
+        for i, pages in enumerate(page_lists):
+            table[i, : len(pages)] = pages
+        np.maximum(table, 0, out=table)
+        return torch.from_numpy(table).to(self.device)
 
     def _positions(self, request: Request, pos: np.ndarray) -> np.ndarray:
         prompt = request.prompt
@@ -369,6 +411,21 @@ class ModelRunner:
             return None, None
         rows = torch.tensor([r for span in feature_rows for r in span], dtype=torch.long, device=hidden.device)
         return rows, torch.cat(features)
+
+
+def _kv_ends(chunk: ScheduledChunk, pos: np.ndarray) -> np.ndarray:
+    """Exclusive KV end for each of the chunk's tokens at `pos`: its position + 1, or the end of the
+    media span it sits in (the span's tokens see each other both ways). The scheduler never ends a
+    chunk inside such a span (`SchedulerConfig.atomic_media_spans`), so every end is in this step."""
+    ends = pos + 1
+    for span in chunk.request.media_spans:
+        lo, hi = max(span.offset, chunk.start), min(span.end, chunk.end)
+        if lo >= hi:
+            continue
+        if span.end > chunk.end:
+            raise ValueError(f"a chunk ending at {chunk.end} splits a bidirectional media span {span}")
+        ends[lo - chunk.start : hi - chunk.start] = span.end
+    return ends
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:

@@ -71,6 +71,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens
     page_ids: list[int] = field(default_factory=list)  # the page table
+    # Sliding-window layers' own page table, as long as page_ids, when the model has such layers
+    # (scheduler/window.py): entries before `num_window_released` went back to the pool.
+    window_page_ids: list[int] = field(default_factory=list)
+    num_window_released: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (what the API reports)
     num_preemptions: int = 0

@@ -32,6 +32,7 @@ from vlm_engine.cache.page_hash import page_hashes
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.inputs import context_exceeded
 from vlm_engine.scheduler.request import Request, RequestStatus
+from vlm_engine.scheduler.window import WindowPages, held_pages
 
 
 class RequestRejected(ValueError):
@@ -47,6 +48,9 @@ class SchedulerConfig:
     # Pages kept free when admitting new work so running requests can grow a little without
     # immediately preempting the newcomer.
     watermark_pages: int = 0
+    # The model's media tokens attend to each other both ways (Gemma 3's images): a prefill chunk
+    # must not end inside a media span, since its queries see the span's later keys.
+    atomic_media_spans: bool = False
 
 
 @dataclass
@@ -106,9 +110,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool) -> None:
+    def __init__(self, config: SchedulerConfig, pool: PagePool, window: WindowPages | None = None) -> None:
         self.config = config
         self.pool = pool
+        # Sliding-window layers' pages, when the model has such layers (scheduler/window.py).
+        self.window = window
         self.page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -198,7 +204,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.extend_len, budget)
+            n = self._chunk_tokens(request, budget)
+            if n == 0:  # its next media span does not fit what is left of this step
+                i += 1
+                continue
             extra = self._lookahead(request, n, budget)
             while not self._grow(request, request.num_computed_tokens + n + extra):
                 if extra:
@@ -224,6 +233,23 @@ class Scheduler:
         out.schedule_time_s = time.perf_counter() - t0
         return out
 
+    def _chunk_tokens(self, request: Request, budget: int) -> int:
+        """Tokens of `request` to run this step: what is left of its prefill within `budget`; with
+        atomic media spans, cut back to the start of a span the budget ends inside, or, when the
+        span began before this chunk, through its end: over the budget if nothing else runs yet in
+        this step (a span longer than the budget must still run), else not this step (0)."""
+        n = min(request.extend_len, budget)
+        if not self.config.atomic_media_spans or n == request.extend_len:
+            return n
+        start = request.num_computed_tokens
+        end = start + n
+        for span in request.media_spans:
+            if span.offset < end < span.end:
+                if span.offset > start:
+                    return span.offset - start
+                return span.end - start if budget == self.config.max_num_batched_tokens else 0
+        return n
+
     def _lookahead(self, request: Request, n: int, budget: int) -> int:
         """Draft slots for a decoding request: what the speculation policy wants, within the step's
         budget and so that every verified token could still be emitted (max_tokens, context)."""
@@ -236,11 +262,15 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_computed_tokens == 0 and not request.page_ids:
                 self._match_prefix(request)
-            n = min(request.extend_len, budget)
-            if n < request.extend_len and not self.config.enable_chunked_prefill:
+            n = self._chunk_tokens(request, budget)
+            if n == 0 or (n < request.extend_len and not self.config.enable_chunked_prefill):
+                self._release_pages(request)
                 break
             needed = self._pages_for(request.num_computed_tokens + n) - len(request.page_ids)
-            if needed > self.pool.num_free - self.config.watermark_pages and self.running:
+            short = needed > self.pool.num_free - self.config.watermark_pages
+            if self.window is not None:
+                short = short or not self.window.can_grow(needed, self.config.watermark_pages)
+            if short and self.running:
                 self._release_pages(request)  # give the prefix hit back; retry on a later step
                 break
             if not self._grow(request, request.num_computed_tokens + n):
@@ -270,6 +300,10 @@ class Scheduler:
             return
         keys = self._page_keys(request, max_pages)
         pages = self.pool.match_prefix(keys[:max_pages])
+        if self.window is not None and pages:
+            hit = self.window.match(request, keys, len(pages))
+            self.pool.free(pages[hit:])
+            pages = pages[:hit]
         request.page_ids = pages
         request.num_computed_tokens = len(pages) * self.page_size
         request.num_registered_pages = len(pages)
@@ -294,10 +328,14 @@ class Scheduler:
         needed = self._pages_for(num_tokens) - len(request.page_ids)
         if needed <= 0:
             return True
+        if self.window is not None and not self.window.can_grow(needed):
+            return False
         pages = self.pool.allocate(needed)
         if pages is None:
             return False
         request.page_ids.extend(pages)
+        if self.window is not None:
+            self.window.grow(request, needed)
         return True
 
     def _preempt(self, request: Request) -> None:
@@ -312,6 +350,8 @@ class Scheduler:
     def _release_pages(self, request: Request) -> None:
         self.pool.free(request.page_ids)
         request.page_ids = []
+        if self.window is not None:
+            self.window.release_all(request)
         request.num_computed_tokens = 0
         request.num_registered_pages = 0
 
@@ -338,6 +378,7 @@ class Scheduler:
             if not chunk.samples:
                 request.num_computed_tokens = chunk.end
                 self._register_full_pages(request)
+                self._release_behind_window(request)
                 continue
             tokens = sampled[request.request_id]
             if not tokens or tokens[:-1] != chunk.draft[: len(tokens) - 1]:
@@ -353,6 +394,7 @@ class Scheduler:
             # Every token but the newest has its KV computed (the known ones and the accepted draft).
             request.num_computed_tokens = request.num_tokens - 1
             self._register_full_pages(request)
+            self._release_behind_window(request)
             grammar_done = request.grammar is not None and request.grammar.is_stopped
             if status is not None:
                 del tokens[request.num_tokens - before :]
@@ -376,6 +418,12 @@ class Scheduler:
         if len(request.page_ids) > keep:
             self.pool.free(request.page_ids[keep:])
             del request.page_ids[keep:]
+            if self.window is not None:
+                self.window.trim(request, keep)
+
+    def _release_behind_window(self, request: Request) -> None:
+        if self.window is not None:
+            self.window.release_behind(request)
 
     def check_invariants(self) -> None:
         """No page leaked or double-held: the pool's references are exactly the requests' pages,
@@ -395,6 +443,24 @@ class Scheduler:
         if held != self.pool.ref_count:
             leaked = [p for p in range(self.pool.num_pages) if held[p] != self.pool.ref_count[p]]
             raise AssertionError(f"pages held by no request or miscounted: {leaked[:16]}")
+        if self.window is not None:
+            self._check_window_invariants()
+
+    def _check_window_invariants(self) -> None:
+        """The window pool's references are exactly the requests' held window pages, and each window
+        page table is as long as its request's page table."""
+        assert self.window is not None
+        pool = self.window.pool
+        pool.check_invariants()
+        held = [0] * pool.num_pages
+        for request in self.requests.values():
+            if len(request.window_page_ids) != len(request.page_ids):
+                raise AssertionError(f"request {request.request_id}: window page table out of step")
+            for page in held_pages(request):
+                held[page] += 1
+        if held != pool.ref_count:
+            leaked = [p for p in range(pool.num_pages) if held[p] != pool.ref_count[p]]
+            raise AssertionError(f"window pages held by no request or miscounted: {leaked[:16]}")
 
     def _register_full_pages(self, request: Request) -> None:
         if not self.pool.enable_prefix_cache:
@@ -403,6 +469,9 @@ class Scheduler:
         if full <= request.num_registered_pages:
             return
         keys = self._page_keys(request, full)
-        for index in range(request.num_registered_pages, full):
+        first = request.num_registered_pages
+        for index in range(first, full):
             self.pool.register(request.page_ids[index], keys[index])
+        if self.window is not None:
+            self.window.register(request, first, keys[first:full])
         request.num_registered_pages = full
