@@ -20,7 +20,12 @@ StoreKVFn = Callable[[torch.Tensor, torch.Tensor, KVCache, torch.Tensor], None]
 
 
 class PagedAttentionBackend:
-    """Stores the step's k/v into the pool, then runs one paged-attention op for the whole batch."""
+    """Stores the step's k/v into the pool, then runs one paged-attention op for the whole batch.
+
+    A sliding-window layer (``window > 0``) whose KV lives in a pool of its own stores and reads it
+    through ``meta.window_slot_mapping`` / ``meta.window_block_table``; the op is told the window,
+    so it never reads the pages before it (the pool may have handed them to someone else).
+    """
 
     def __init__(self, name: str, op: PagedAttentionFn, store: StoreKVFn = store_kv) -> None:
         self.name = name
@@ -35,12 +40,29 @@ class PagedAttentionBackend:
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
-        self._store(k, v, kv_cache, meta.slot_mapping)
+        own_pages = window > 0 and meta.window_block_table is not None
+        if own_pages and meta.window_slot_mapping is None:
+            raise ValueError("AttentionMetadata has a window_block_table but no window_slot_mapping")
+        block_table = meta.window_block_table if own_pages else meta.block_table
+        self._store(k, v, kv_cache, meta.window_slot_mapping if own_pages else meta.slot_mapping)
         k_cache, v_cache = kv_cache
         # q may be a strided view into the fused qkv output: both ops read it through its strides
         # (a copy per layer cost ~1.5 ms of a batch-64 SmolLM2 step).
-        return self._op(q, k_cache, v_cache, meta.block_table, meta.seq_lens, meta.query_start_loc, scale)
+        if window == 0 and meta.kv_end is None:  # causal: the plain call, the cheapest to dispatch
+            return self._op(q, k_cache, v_cache, block_table, meta.seq_lens, meta.query_start_loc, scale)
+        return self._op(
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            meta.seq_lens,
+            meta.query_start_loc,
+            scale,
+            window=window,
+            kv_end=meta.kv_end,
+        )
 
 
 def _torch_sdpa(device: torch.device) -> AttentionBackend:
