@@ -1,0 +1,227 @@
+"""Deterministic, offline SmolVLM2 checkpoints for tests and benchmarks.
+
+Random weights from the real Transformers config classes (`SmolVLMConfig`: a SigLIP vision config and a
+Llama text config), the BPE tokenizer trained in-process by `vlm_engine.testing.checkpoints` with
+SmolVLM's special tokens added after it (`<fake_token_around_image>`, `<image>`, `<global-img>`,
+`<end_of_utterance>`, `<row_r_col_c>` for r, c in 1..6), a chat template that renders as SmolVLM2's,
+and SmolVLM's own processor classes (image splitting into tiles + the global image, video frames with
+their timestamp text).
+
+    write_smolvlm(path, preset="tiny" | "bench-500m", seed=0) -> Path
+    cached_smolvlm(preset="tiny", seed=0) -> Path
+
+"tiny" (parity tests): 64-px tiles of 8-px patches and scale factor 2, so a tile is 16 image tokens; an
+image's longest edge is resized to 192 px, i.e. up to 3 x 3 tiles plus the global image.
+"bench-500m" is SmolVLM2-500M-Video-Instruct's shape (text: 32 x 960 Llama layers, 15 heads / 5 KV
+heads, MLP 2560; vision: 12 x 768 SigLIP layers, 16-px patches, 512-px tiles, scale factor 4, so 64
+tokens a tile; its processor: longest edge 2048, 512-px tiles, video frames at 512 px) except the
+vocabulary, which is our small tokenizer's (2,088 tokens instead of 49,280: ~91M fewer parameters in
+the embedding and the untied LM head).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from vlm_engine.testing.checkpoints import (
+    _drop_load_time_kwargs,
+    _init_weights_deterministically,
+    _train_bpe_tokenizer,
+    cached_checkpoint,
+)
+
+# SmolVLM's added tokens, appended after the trained tokenizer's own specials (which include
+# <|endoftext|>, <|im_start|> and <|im_end|>, as SmolLM2's tokenizer does).
+SMOLVLM_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<fake_token_around_image>",
+    "<image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)),
+)
+
+# Written here; renders as SmolVLM2-Instruct's template: "<|im_start|>" once, then per message
+# "Role:" (": " unless the content opens with an image), its parts (<image> / <video> for media),
+# "<end_of_utterance>\n"; "Assistant:" to generate. (With a video, SmolVLMProcessor.apply_chat_template
+# swaps in its own default template, which renders the same.)
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>"
+    "{%- for message in messages -%}"
+    "{{- message['role'] | capitalize -}}"
+    "{%- if message['content'] is string -%}"
+    "{{- ': ' + message['content'] -}}"
+    "{%- else -%}"
+    "{{- ':' if message['content'] and message['content'][0]['type'] == 'image' else ': ' -}}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] == 'image' -%}{{- '<image>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<video>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<end_of_utterance>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- 'Assistant:' -}}{%- endif -%}"
+)
+
+Preset = dict[str, Any]
+
+SMOLVLM_PRESETS: dict[str, Preset] = {
+    # Parity tests: 4 Llama layers (GQA 2:1, head_dim 32), a 2-layer SigLIP tower on 64-px tiles of
+    # 8-px patches, pixel shuffle by 2 (16 tokens a tile). initializer_range 0.2 for distinct greedy
+    # tokens (see checkpoints.py).
+    "tiny": {
+        "text": {
+            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 8192,
+        },
+        "vision": {
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "image_size": 64, "patch_size": 8,
+        },
+        "scale_factor": 2,
+        "longest_edge": 192,  # the processor's resize before splitting
+        "video_edge": 64,
+        "std": 0.2,
+        "dtype": "float32",
+    },
+    # SmolVLM2-500M-Video-Instruct's config.json / processor values.
+    "bench-500m": {
+        "text": {
+            "hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
+            "num_key_value_heads": 5, "max_position_embeddings": 8192,
+        },
+        "vision": {
+            "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+            "image_size": 512, "patch_size": 16,
+        },
+        "scale_factor": 4,
+        "longest_edge": 2048,
+        "video_edge": 512,
+        "std": 0.02,
+        "dtype": "bfloat16",
+    },
+}  # fmt: skip
+
+
+def _build_tokenizer(staging: Path) -> Any:
+    """The trained BPE (checkpoints.py) plus SmolVLM's special tokens, saved and loaded back as a
+    `PreTrainedTokenizerFast` (tokenizer.json verbatim: the same pipeline in every reader)."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tok = _train_bpe_tokenizer()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SMOLVLM_SPECIAL_TOKENS])
+    staging.mkdir(parents=True, exist_ok=True)
+    tok.save(str(staging / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<end_of_utterance>",
+        "pad_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "extra_special_tokens": {
+            "fake_image_token": "<fake_token_around_image>",
+            "image_token": "<image>",
+            "global_image_token": "<global-img>",
+            "end_of_utterance_token": "<end_of_utterance>",
+        },
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 8192,
+    }
+    (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tokenizer = AutoTokenizer.from_pretrained(str(staging))
+    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
+    _drop_load_time_kwargs(tokenizer)
+    return tokenizer
+
+
+def smolvlm_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) -> Any:
+    from transformers import SmolVLMConfig
+
+    text = {
+        **preset["text"],
+        "vocab_size": vocab_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+        "bos_token_id": token_ids["<|im_start|>"],
+        "eos_token_id": token_ids["<end_of_utterance>"],
+        "pad_token_id": token_ids["<|im_end|>"],
+        "tie_word_embeddings": False,
+    }
+    vision = {**preset["vision"], "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "num_channels": 3}
+    return SmolVLMConfig(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=preset["scale_factor"],
+        image_token_id=token_ids["<image>"],
+        tie_word_embeddings=False,
+        architectures=["SmolVLMForConditionalGeneration"],
+    )
+
+
+def image_seq_len(preset: Preset) -> int:
+    """Image tokens per tile: the tile's patches after the pixel shuffle."""
+    side = preset["vision"]["image_size"] // preset["vision"]["patch_size"]
+    return side * side // preset["scale_factor"] ** 2
+
+
+def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random-weight SmolVLM2 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
+    import torch
+    from transformers import (
+        GenerationConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+
+    spec = SMOLVLM_PRESETS[preset]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
+        tokenizer = _build_tokenizer(Path(staging))
+    names = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *SMOLVLM_SPECIAL_TOKENS)
+    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in names}
+    config = smolvlm_config(spec, token_ids, len(tokenizer))
+
+    # Built on meta, materialized, every parameter overwritten from one seeded generator (bytes
+    # independent of Transformers' init order), saved in the preset's dtype.
+    dtype = getattr(torch, spec["dtype"])
+    with torch.device("meta"):
+        model = SmolVLMForConditionalGeneration._from_config(config, dtype=dtype)
+    model = model.to_empty(device="cpu")
+    _init_weights_deterministically(model, spec["std"], seed)
+    model.config.dtype = spec["dtype"]
+    model.generation_config = GenerationConfig(
+        do_sample=False,
+        bos_token_id=token_ids["<|im_start|>"],
+        eos_token_id=token_ids["<end_of_utterance>"],
+        pad_token_id=token_ids["<|im_end|>"],
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+
+    tile = {"longest_edge": spec["vision"]["image_size"]}
+    processor = SmolVLMProcessor(
+        image_processor=SmolVLMImageProcessor(
+            size={"longest_edge": spec["longest_edge"]}, max_image_size=tile, do_image_splitting=True
+        ),
+        video_processor=SmolVLMVideoProcessor(
+            size={"longest_edge": spec["video_edge"]}, max_image_size=tile, fps=1, num_frames=64
+        ),
+        tokenizer=tokenizer,
+        image_seq_len=image_seq_len(spec),
+        chat_template=SMOLVLM_CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(str(out))
+    return out
+
+
+def cached_smolvlm(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_checkpoint(f"smolvlm2-{preset}-seed{seed}", lambda tmp: write_smolvlm(tmp, preset, seed), cache_root)
