@@ -220,3 +220,22 @@ def test_structured_output_with_an_image(engine: Engine) -> None:
     out = engine.chat([CONVERSATIONS[1]], SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema))[0]
     assert out.finish_reason == "stop"
     assert set(json.loads(out.text)) == {"title", "year"}
+
+
+# ---- Idefics3 (SmolVLM v1's architecture and processor) -------------------------------------------
+
+
+def test_idefics3_matches_hf() -> None:
+    """The same family serves Idefics3ForConditionalGeneration with Idefics3Processor (images only)."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = cached_smolvlm("tiny-idefics3")
+    hf = (
+        AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval(),
+        AutoProcessor.from_pretrained(str(path)),
+    )
+    assert type(hf[0]).__name__ == "Idefics3ForConditionalGeneration"
+    engine = Engine(str(path), dtype="float32", kv_cache_tokens=4096, numerics="exact")
+    assert not engine.processor.accepts_videos
+    convs = CONVERSATIONS[:3]
+    assert [o.token_ids for o in engine.chat(convs, GREEDY)] == [hf_greedy(hf, c, MAX_TOKENS) for c in convs]

@@ -7,7 +7,7 @@ SmolVLM's special tokens added after it (`<fake_token_around_image>`, `<image>`,
 and SmolVLM's own processor classes (image splitting into tiles + the global image, video frames with
 their timestamp text).
 
-    write_smolvlm(path, preset="tiny" | "bench-500m", seed=0) -> Path
+    write_smolvlm(path, preset="tiny" | "tiny-idefics3" | "bench-500m", seed=0) -> Path
     cached_smolvlm(preset="tiny", seed=0) -> Path
 
 "tiny" (parity tests): 64-px tiles of 8-px patches and scale factor 2, so a tile is 16 image tokens; an
@@ -69,25 +69,30 @@ SMOLVLM_CHAT_TEMPLATE = (
 
 Preset = dict[str, Any]
 
-SMOLVLM_PRESETS: dict[str, Preset] = {
-    # Parity tests: 4 Llama layers (GQA 2:1, head_dim 32), a 2-layer SigLIP tower on 64-px tiles of
-    # 8-px patches, pixel shuffle by 2 (16 tokens a tile). initializer_range 0.2 for distinct greedy
-    # tokens (see checkpoints.py).
-    "tiny": {
-        "text": {
-            "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "max_position_embeddings": 8192,
-        },
-        "vision": {
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "image_size": 64, "patch_size": 8,
-        },
-        "scale_factor": 2,
-        "longest_edge": 192,  # the processor's resize before splitting
-        "video_edge": 64,
-        "std": 0.2,
-        "dtype": "float32",
+# Parity tests: 4 Llama layers (GQA 2:1, head_dim 32), a 2-layer SigLIP tower on 64-px tiles of
+# 8-px patches, pixel shuffle by 2 (16 tokens a tile). initializer_range 0.2 for distinct greedy
+# tokens (see checkpoints.py).
+_TINY: Preset = {
+    "text": {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 8192,
     },
+    "vision": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "image_size": 64, "patch_size": 8,
+    },
+    "scale_factor": 2,
+    "longest_edge": 192,  # the processor's resize before splitting
+    "video_edge": 64,
+    "std": 0.2,
+    "dtype": "float32",
+}  # fmt: skip
+
+SMOLVLM_PRESETS: dict[str, Preset] = {
+    "tiny": _TINY,
+    # The same with Idefics3's classes (SmolVLM v1's architecture: Idefics3ForConditionalGeneration,
+    # Idefics3Processor, images only).
+    "tiny-idefics3": {**_TINY, "idefics3": True},
     # SmolVLM2-500M-Video-Instruct's config.json / processor values.
     "bench-500m": {
         "text": {
@@ -141,7 +146,7 @@ def _build_tokenizer(staging: Path) -> Any:
 
 
 def smolvlm_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) -> Any:
-    from transformers import SmolVLMConfig
+    from transformers import Idefics3Config, SmolVLMConfig
 
     text = {
         **preset["text"],
@@ -155,13 +160,14 @@ def smolvlm_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) -
         "tie_word_embeddings": False,
     }
     vision = {**preset["vision"], "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6, "num_channels": 3}
-    return SmolVLMConfig(
+    idefics3 = preset.get("idefics3", False)
+    return (Idefics3Config if idefics3 else SmolVLMConfig)(
         text_config=text,
         vision_config=vision,
         scale_factor=preset["scale_factor"],
         image_token_id=token_ids["<image>"],
         tie_word_embeddings=False,
-        architectures=["SmolVLMForConditionalGeneration"],
+        architectures=["Idefics3ForConditionalGeneration" if idefics3 else "SmolVLMForConditionalGeneration"],
     )
 
 
@@ -174,13 +180,7 @@ def image_seq_len(preset: Preset) -> int:
 def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """A random-weight SmolVLM2 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
     import torch
-    from transformers import (
-        GenerationConfig,
-        SmolVLMForConditionalGeneration,
-        SmolVLMImageProcessor,
-        SmolVLMProcessor,
-        SmolVLMVideoProcessor,
-    )
+    from transformers import AutoModelForImageTextToText, GenerationConfig
 
     spec = SMOLVLM_PRESETS[preset]
     out = Path(path)
@@ -195,7 +195,7 @@ def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     # independent of Transformers' init order), saved in the preset's dtype.
     dtype = getattr(torch, spec["dtype"])
     with torch.device("meta"):
-        model = SmolVLMForConditionalGeneration._from_config(config, dtype=dtype)
+        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
     model = model.to_empty(device="cpu")
     _init_weights_deterministically(model, spec["std"], seed)
     model.config.dtype = spec["dtype"]
@@ -207,20 +207,27 @@ def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path
     )
     model.save_pretrained(str(out), safe_serialization=True)
 
-    tile = {"longest_edge": spec["vision"]["image_size"]}
-    processor = SmolVLMProcessor(
-        image_processor=SmolVLMImageProcessor(
-            size={"longest_edge": spec["longest_edge"]}, max_image_size=tile, do_image_splitting=True
-        ),
-        video_processor=SmolVLMVideoProcessor(
-            size={"longest_edge": spec["video_edge"]}, max_image_size=tile, fps=1, num_frames=64
-        ),
-        tokenizer=tokenizer,
-        image_seq_len=image_seq_len(spec),
-        chat_template=SMOLVLM_CHAT_TEMPLATE,
-    )
-    processor.save_pretrained(str(out))
+    _processor(spec, tokenizer).save_pretrained(str(out))
     return out
+
+
+def _processor(spec: Preset, tokenizer: Any) -> Any:
+    """SmolVLM's processor (tiles + global image, video frames), or Idefics3's (images only)."""
+    from transformers import (
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        SmolVLMImageProcessor,
+        SmolVLMProcessor,
+        SmolVLMVideoProcessor,
+    )
+
+    tile = {"longest_edge": spec["vision"]["image_size"]}
+    images = {"size": {"longest_edge": spec["longest_edge"]}, "max_image_size": tile, "do_image_splitting": True}
+    common = {"tokenizer": tokenizer, "image_seq_len": image_seq_len(spec), "chat_template": SMOLVLM_CHAT_TEMPLATE}
+    if spec.get("idefics3", False):
+        return Idefics3Processor(image_processor=Idefics3ImageProcessor(**images), **common)
+    video = SmolVLMVideoProcessor(size={"longest_edge": spec["video_edge"]}, max_image_size=tile, fps=1, num_frames=64)
+    return SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**images), video_processor=video, **common)
 
 
 def cached_smolvlm(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:

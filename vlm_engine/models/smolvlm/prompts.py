@@ -41,13 +41,16 @@ class SmolVLMPrompts(ProcessorPrompts):
         # Frames are written with the image token: it is the one placeholder.
         self.video_token_id = None
         self.placeholder_ids = frozenset({self.image_token_id} - {None})
-        self.global_image_id = self.tokenizer.convert_tokens_to_ids(processor.global_image_token)
-        self._media_marks = re.compile("|".join(re.escape(t) for t in (processor.image_token, processor.video_token)))
+        # SmolVLMProcessor's names; Idefics3Processor (SmolVLM v1) calls the global one a tag and has no video
+        global_image = getattr(processor, "global_image_token", None) or processor.global_image_tag
+        self.global_image_id = self.tokenizer.convert_tokens_to_ids(global_image)
+        marks = [processor.image_token, *([processor.video_token] if self.accepts_videos else [])]
+        self._media_marks = re.compile("|".join(re.escape(t) for t in marks))
         self.patch_size = int(config.vision_config.patch_size)
 
     @property
     def accepts_videos(self) -> bool:
-        return getattr(self.processor, "video_processor", None) is not None
+        return getattr(self.processor, "video_processor", None) is not None and hasattr(self.processor, "video_token")
 
     def frame_chooser(self) -> tuple[FrameChooser, str]:
         """The video processor's sampler, asked as Transformers asks it with the request's fps and (its
