@@ -11,6 +11,7 @@ built on first use and rebuilt whenever a decoder module has been given a new su
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -65,15 +66,22 @@ def rows_fn(linear: nn.Module) -> RowsFn:
 
 
 class RMSNorm(_DecoderModule):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    """RMSNorm with fp32 statistics. Llama's rounds the normalized rows to the model's dtype and then
+    multiplies by the weight; with `unit_offset` (Gemma) the weight is stored as scale - 1 and the
+    fp32 rows are multiplied by 1 + weight in fp32 before the one rounding."""
+
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
 
 
@@ -172,22 +180,30 @@ class Attention(_DecoderModule):
         head_dim: int,
         qkv_bias: bool,
         qk_norm_eps: float | None = None,
+        *,
+        scale: float | None = None,
+        window: int = 0,
+        norm_unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        # Gemma scales by query_pre_attn_scalar ** -0.5, which need not be the head dim's
+        self.scale = head_dim**-0.5 if scale is None else scale
+        # A sliding-window layer (Gemma 3's local layers): a query at position p sees keys k > p - window;
+        # 0 is full attention. The backend applies it (and reads no KV before the window).
+        self.window = window
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(
             hidden_size, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size}, bias=qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, hidden_size, bias=False)
-        # Qwen3: an RMSNorm over each query and key head before RoPE
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        # Qwen3, Gemma 3: an RMSNorm over each query and key head before RoPE
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, norm_unit_offset) if qk_norm_eps is not None else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -203,22 +219,36 @@ class Attention(_DecoderModule):
             ctx.fused.rotary_(q, k, cos, sin)  # in place, on the views into the qkv output
         else:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_meta, self.scale)
+        out = ctx.attn_backend.forward(
+            q, k, v, ctx.kv_caches[self.layer_idx], ctx.attn_meta, self.scale, window=self.window
+        )
         return self.o_proj.forward(out.reshape(t, self.q_size))
 
 
 def _head_norm(norm: RMSNorm, heads: torch.Tensor, fused: ModuleType | None) -> torch.Tensor:
-    """`norm` over each head of [T, H, D] (a strided view into the qkv output): a new tensor."""
-    if fused is None:
+    """`norm` over each head of [T, H, D] (a strided view into the qkv output): a new tensor. The
+    fused kernel is Llama's norm; a unit-offset (Gemma) norm runs as its module."""
+    if fused is None or norm.unit_offset:
         return norm(heads)
     t, h, d = heads.shape
     return fused.rms_norm(heads.reshape(t * h, d), norm.weight, norm.eps).view(t, h, d)
 
 
+# Gated MLP activations by their Transformers names (`hidden_act` / `hidden_activation`)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),  # Gemma
+}
+
+
 class GatedMLP(_DecoderModule):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported MLP activation {activation!r}; known: {sorted(ACTIVATIONS)}")
+        self.activation = activation
+        self.act = ACTIVATIONS[activation]
         self.gate_up_proj = MergedLinear(
             hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, bias=False
         )
@@ -228,10 +258,19 @@ class GatedMLP(_DecoderModule):
         if fused is not None:  # x: [T, hidden] rows; the fused decoder runs this in its layer plans
             return self.down_proj.forward(self.gated_rows_fn(fused)(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
     def gated_rows_fn(self, fused: ModuleType) -> RowsFn:
-        """silu(gate) * up of the gate/up projection, as a function of rows (see `forward`)."""
+        """act(gate) * up of the gate/up projection, as a function of rows (see `forward`): SiLU in
+        the fused kernels; another activation as torch ops on the bound projection's output."""
+        if self.activation != "silu":
+            gate_up, act, n = rows_fn(self.gate_up_proj), self.act, self.intermediate_size
+
+            def gated(x: torch.Tensor) -> torch.Tensor:
+                gate, up = gate_up(x).split(n, dim=-1)
+                return act(gate) * up
+
+            return gated
         bind = getattr(self.gate_up_proj, "silu_and_mul_rows_fn", None)
         if bind is not None:
             return bind(fused)
@@ -240,16 +279,44 @@ class GatedMLP(_DecoderModule):
 
 
 class DecoderLayer(_DecoderModule):
-    def __init__(self, attention: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    """A pre-norm decoder layer. With `sandwich_norms` (Gemma 2/3) the attention and MLP outputs are
+    normed too before they join the residual (`post_attention_layernorm`, `post_feedforward_layernorm`)
+    and the MLP reads `pre_feedforward_layernorm` of it; such a layer has no fused plan (the plans'
+    residual-stream form folds each add into Llama's norm) and runs as its modules, the fused ops
+    that are exact for it (rotary, the bound linears) included."""
+
+    def __init__(
+        self,
+        attention: Attention,
+        mlp: nn.Module,
+        hidden_size: int,
+        eps: float,
+        *,
+        sandwich_norms: bool = False,
+        norm_unit_offset: bool = False,
+    ) -> None:
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(hidden_size, eps, norm_unit_offset)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, norm_unit_offset)
+        self.pre_feedforward_layernorm = RMSNorm(hidden_size, eps, norm_unit_offset) if sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(hidden_size, eps, norm_unit_offset) if sandwich_norms else None
         self._plan: LayerPlan | None = None
         self._plan_key: tuple[int, ModuleType] | None = None
 
+    @property
+    def has_plan(self) -> bool:
+        """Whether `decode_plan` applies (Llama's norms, pre-norm only)."""
+        return self.pre_feedforward_layernorm is None and not self.input_layernorm.unit_offset
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.pre_feedforward_layernorm is not None and self.post_feedforward_layernorm is not None:
+            h = self.self_attn.forward(self.input_layernorm.forward(x), cos, sin, ctx)
+            x = x + self.post_attention_layernorm.forward(h)
+            h = self.pre_feedforward_layernorm.forward(x)
+            h = self.mlp.forward(h, ctx.fused) if isinstance(self.mlp, GatedMLP) else self.mlp(h)
+            return x + self.post_feedforward_layernorm.forward(h)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -265,6 +332,8 @@ class DecoderLayer(_DecoderModule):
         return self._plan
 
     def _build_plan(self, fused: ModuleType) -> LayerPlan:
+        if not self.has_plan:
+            raise ValueError("a layer with sandwich or unit-offset norms runs as its modules: it has no fused plan")
         attn, post_norm = self.self_attn, self.post_attention_layernorm
         qkv, o_proj = rows_fn(attn.qkv_proj), rows_fn(attn.o_proj)
         mlp = self.mlp
@@ -275,7 +344,7 @@ class DecoderLayer(_DecoderModule):
             mlp_rows = mlp.forward
         rotary, add_rms_norm = fused.rotary_, fused.add_rms_norm_
         heads = [attn.num_heads, attn.num_kv_heads, attn.num_kv_heads]
-        head_dim, q_size, scale, layer_idx = attn.head_dim, attn.q_size, attn.scale, attn.layer_idx
+        head_dim, q_size, scale, layer_idx, window = attn.head_dim, attn.q_size, attn.scale, attn.layer_idx, attn.window
         norm_weight, eps = post_norm.weight, post_norm.eps
         q_norm, k_norm = attn.q_norm, attn.k_norm
 
@@ -287,7 +356,7 @@ class DecoderLayer(_DecoderModule):
             if q_norm is not None and k_norm is not None:
                 q, k = _head_norm(q_norm, q, fused), _head_norm(k_norm, k, fused)
             rotary(q, k, cos, sin)  # in place, on the views into the qkv output
-            out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_meta, scale)
+            out = ctx.attn_backend.forward(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_meta, scale, window=window)
             x = o_proj(out.reshape(t, q_size))
             add_rms_norm(x, residual, norm_weight, eps)
             return mlp_rows(x)
