@@ -6,12 +6,14 @@ Usage::
     op = load_paged_attention()          # builds (first time, ~30-60 s) or loads the cached .so
     if op is None:                       # no compiler etc. -> use the torch reference
         from vlm_engine.attention.reference import paged_attention_reference as op
-    out = op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None)
+    out = op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None,
+             window=0, kv_end=None)
 
 The returned callable is the raw pybind function (lowest call overhead, ~2-3 us); it takes the
-arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` plus an
-optional ``impl`` (0 = best, 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps, 3 = AVX2 + FMA;
-for tests; an impl this build lacks falls back to the next one down). The module's ``build_info()``
+arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` (``window`` and
+``kv_end`` by keyword: positionally, ``impl`` comes first) plus an optional ``impl`` (0 = best,
+1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps, 3 = AVX2 + FMA; for tests; an impl this build
+lacks falls back to the next one down). The module's ``build_info()``
 names the ISA features it was compiled with.
 Metadata tensors (block_table, seq_lens, query_start_loc) must be int32 CPU tensors; q/k/v/out
 float32 or bfloat16 with a contiguous head_dim.  Parallelism uses torch's intra-op thread pool
@@ -52,8 +54,8 @@ def load_extension_module():
 
 @functools.cache
 def load_paged_attention() -> Callable | None:
-    """The fused op ``(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None)``
-    or ``None`` if the extension cannot be built on this machine."""
+    """The fused op ``(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None,
+    impl=0, window=0, kv_end=None)`` or ``None`` if the extension cannot be built on this machine."""
     mod = load_extension_module()
     return None if mod is None else mod.paged_attention
 
@@ -65,9 +67,11 @@ def load_store_kv() -> Callable | None:
     return None if mod is None else mod.store_kv
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None):
+def paged_attention(
+    q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None, *, window=0, kv_end=None
+):
     """Fused op if available, else the torch reference (same contract)."""
     op = load_paged_attention()
     if op is None:
         from .reference import paged_attention_reference as op
-    return op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out)
+    return op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out, window=window, kv_end=kv_end)

@@ -60,7 +60,7 @@ def query_bounds(q_pos: torch.Tensor, window: int, kv_end: torch.Tensor | None) 
 def _check_mask_args(window: int, kv_end: torch.Tensor | None, T: int) -> None:
     if window < 0:
         raise ValueError(f"window must be >= 0, got {window}")
-    if kv_end is not None and (kv_end.dim() != 1 or kv_end.shape[0] < T):
+    if kv_end is not None and (kv_end.dim() != 1 or kv_end.shape[0] != T):
         raise ValueError(f"kv_end must be a [T={T}] tensor, got shape {tuple(kv_end.shape)}")
 
 

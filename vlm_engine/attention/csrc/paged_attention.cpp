@@ -1,21 +1,24 @@
-// Fused paged attention for CPU (decode + chunked prefill, causal, GQA).
+// Fused paged attention for CPU (decode + chunked prefill, GQA; causal, sliding-window and
+// per-token KV ends).
 //
-// out[t, h, :] = softmax(q[t, h, :] . K_b^T * scale) V_b  over the KV positions
-// 0 ..= pos(t) of t's sequence b, where K_b / V_b are read through the block
-// table directly from the paged cache (no gather copy).  See
-// vlm_engine/attention/reference.py for the exact contract.
+// out[t, h, :] = softmax(q[t, h, :] . K_b^T * scale) V_b  over the KV positions [lo(t), hi(t))
+// of t's sequence b: hi = kv_end[t] or pos(t) + 1 (causal), lo = pos(t) - window + 1 or 0.
+// K_b / V_b are read through the block table directly from the paged cache (no gather copy).
+// See vlm_engine/attention/reference.py for the exact contract.
 //
 // Work decomposition: one work item = (sequence, block of query tokens, range
-// of KV heads[, KV range]).  By default an item covers all KV heads, so every
-// KV position's [Hkv, D] rows are streamed contiguously from memory.  Pages are
-// scattered, so the next tile's K/V lines are software-prefetched into L2,
-// spread over the current tile's rows to overlap memory with compute.  Within an
-// item the G query heads sharing a KV head are processed together so each
-// key/value row is loaded once (into L1) for all of them.  Items are scheduled
-// dynamically (atomic counter, longest first) on the ATen intra-op thread pool.
-// With too few items for the threads, long single-block (decode) items are split
-// over the KV axis, the partial results (running max, running sum, unnormalised
-// accumulator) merged afterwards; items too short for that are split per KV head.
+// of KV heads[, KV range]).  An item's KV range starts at the lowest lo of its tokens: the
+// pages before a sliding window are never walked (nor read: the pool may have reused them),
+// so a window layer costs its window, not its sequence; per-token bounds mask inside tiles.
+// By default an item covers all KV heads, so every KV position's [Hkv, D] rows are streamed
+// contiguously from memory.  Pages are scattered, so the next tile's K/V lines are
+// software-prefetched into L2, spread over the current tile's rows to overlap memory with
+// compute.  Within an item the G query heads sharing a KV head are processed together so each
+// key/value row is loaded once (into L1) for all of them.  Items are scheduled dynamically
+// (atomic counter, longest first) on the ATen intra-op thread pool.  With too few items for the
+// threads, long single-block (decode) items are split over their KV range, the partial results
+// (running max, running sum, unnormalised accumulator) merged afterwards; items too short for
+// that are split per KV head.
 //
 // Softmax: standard online softmax in the log2 domain (scores are multiplied
 // by scale*log2(e) and exponentiated with exp2), float32 throughout; built
@@ -97,6 +100,8 @@ struct Params {
   int64_t bt_stride;
   const int32_t* seq_lens;
   const int32_t* qsl;
+  const int32_t* kv_end;  // [T] exclusive end of each token's visible KV, or null (causal)
+  int64_t window;         // > 0: a token at p sees no position below p - window + 1
   int64_t Hkv, G, D, page_size;
   float c;      // scale * log2(e)
   float* part;  // KV-split partials: [nparts][rows_max * (D + 2)]
@@ -105,7 +110,7 @@ struct Params {
 };
 
 // One unit of work: query tokens [q0, q1) of sequence b, KV heads [h0, h0 + nh),
-// KV positions [kv0, kv1) (further limited per query by causality).
+// KV positions [kv0, kv1) (further limited per query token to its own [lo, hi)).
 // Rows are ordered (token, head-in-range, group member): r = ti * nh * G + hk * G + g.
 struct Item {
   int32_t b, h0, nh, q0, q1, kv0, kv1, part;  // part < 0: write normalised output directly
@@ -127,13 +132,14 @@ struct Scratch {
   float* kf;     // kTile * D (bf16 keys converted to fp32)
   float* vf;     // kTile * D (bf16 values converted to fp32)
   int32_t* lim;  // per query token: exclusive end of its visible KV range
+  int32_t* lo;   // per query token: start of its visible KV range
 
   Scratch(int64_t rows_max, int64_t qb_max, int64_t D) {
     thread_local std::vector<float> buf;
     thread_local std::vector<int32_t> ibuf;
     const size_t n = rows_max * D + 3 * rows_max + rows_max * kTile + 2 * kTile * D + 16;
     if (buf.size() < n) buf.resize(n);
-    if (ibuf.size() < static_cast<size_t>(qb_max)) ibuf.resize(qb_max);
+    if (ibuf.size() < static_cast<size_t>(2 * qb_max)) ibuf.resize(2 * qb_max);
     float* p = buf.data();
     p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     acc = p;
@@ -150,6 +156,7 @@ struct Scratch {
     p += rows_max;
     alpha = p;
     lim = ibuf.data();
+    lo = lim + qb_max;
   }
 };
 
@@ -163,19 +170,28 @@ inline const T* q_row(const Params& P, int64_t t, int64_t h) {
   return reinterpret_cast<const T*>(P.q) + t * P.q_st + h * P.q_sh;
 }
 
-// Exclusive end of the KV range query token t (of item it's sequence) sees within the item:
-// causal up to its absolute position, and no further than the item's KV range.
-inline int32_t visible_end(const Params& P, const Item& it, int64_t t) {
-  const int64_t qs = P.qsl[it.b];
-  const int64_t ql = P.qsl[it.b + 1] - qs;
-  const int64_t pos = P.seq_lens[it.b] - ql + (t - qs);  // absolute position of query token t
-  return static_cast<int32_t>(std::min<int64_t>(pos + 1, it.kv1));
+// Absolute position of query token t of sequence b.
+inline int64_t query_pos(const Params& P, int64_t b, int64_t t) {
+  const int64_t qs = P.qsl[b];
+  return P.seq_lens[b] - (P.qsl[b + 1] - qs) + (t - qs);
 }
 
-// Fill per-token visibility limits and reset the running state; returns the row count.
+// The KV range [lo, hi) token t of sequence b sees (the contract in reference.py).
+inline int64_t token_hi(const Params& P, int64_t b, int64_t t) {
+  return P.kv_end != nullptr ? int64_t(P.kv_end[t]) : query_pos(P, b, t) + 1;
+}
+inline int64_t token_lo(const Params& P, int64_t b, int64_t t) {
+  return P.window > 0 ? std::max<int64_t>(query_pos(P, b, t) - P.window + 1, 0) : 0;
+}
+
+// Fill per-token visibility bounds (clipped to the item's KV range) and reset the running
+// state; returns the row count.
 inline int64_t setup_rows(const Params& P, const Item& it, Scratch& S) {
   const int64_t rows = int64_t(it.q1 - it.q0) * it.nh * P.G;
-  for (int64_t t = it.q0; t < it.q1; ++t) S.lim[t - it.q0] = visible_end(P, it, t);
+  for (int64_t t = it.q0; t < it.q1; ++t) {
+    S.lim[t - it.q0] = static_cast<int32_t>(std::min<int64_t>(token_hi(P, it.b, t), it.kv1));
+    S.lo[t - it.q0] = static_cast<int32_t>(std::max<int64_t>(token_lo(P, it.b, t), it.kv0));
+  }
   for (int64_t r = 0; r < rows; ++r) {
     S.m[r] = kNegInf;
     S.l[r] = 0.f;
@@ -268,7 +284,7 @@ inline void kv_rows(const Params& P, int32_t b, int64_t j0, int n, const T** kp,
 // The KV rows of item it's first tile (for prefetching); returns how many.
 template <typename T>
 int first_tile(const Params& P, const Item& it, const T** kp, const T** vp) {
-  const int64_t end = std::min<int64_t>(visible_end(P, it, it.q1 - 1), int64_t(it.kv0) + kTile);
+  const int64_t end = std::min<int64_t>(it.kv1, int64_t(it.kv0) + kTile);
   const int n = static_cast<int>(std::max<int64_t>(end - it.kv0, 0));
   kv_rows(P, it.b, it.kv0, n, kp, vp);
   return n;
@@ -283,7 +299,12 @@ template <typename T, typename Core>
 void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
   const int64_t rows = setup_rows(P, it, S);
   const int64_t ntok = it.q1 - it.q0;
-  const int32_t max_lim = S.lim[ntok - 1];
+  int32_t max_lim = 0;  // with kv_end, not necessarily the last token's
+  int32_t max_lo = 0;
+  for (int64_t ti = 0; ti < ntok; ++ti) {
+    max_lim = std::max(max_lim, S.lim[ti]);
+    max_lo = std::max(max_lo, S.lo[ti]);
+  }
   // Bytes to prefetch per position: the item's heads [h0, h0+nh) (one range if heads are dense).
   const int64_t row_bytes = P.D * int64_t(sizeof(T));
   const bool k_dense = P.k_sh == P.D, v_dense = P.v_sh == P.D;
@@ -335,7 +356,12 @@ void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
         pf.per_row = static_cast<int>((lines + rows - 1) / rows);
       }
 #endif
-      Core::tile(P, it, S, ntok, j0, jn, kp[cur], vp[cur], pf);
+      // Tiles that start at or after every token's lo (all of them when causal or at decode)
+      // take the variant without the per-token lower bound: the causal code as it was.
+      if (max_lo > j0)
+        Core::template tile<true>(P, it, S, ntok, j0, jn, kp[cur], vp[cur], pf);
+      else
+        Core::template tile<false>(P, it, S, ntok, j0, jn, kp[cur], vp[cur], pf);
       pf.finish();
       cur ^= 1;
       jn = njn;
@@ -349,6 +375,7 @@ void run_item(const Params& P, const Item& it, const Item* next, Scratch& S) {
 // ---------------------------------------------------------------------------
 template <typename T>
 struct GenericCore {
+  template <bool kLo>
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
                    const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     const int64_t D = P.D;
@@ -359,13 +386,14 @@ struct GenericCore {
       const int64_t koff = kvh * P.k_sh, voff = kvh * P.v_sh;
       for (int64_t ti = 0; ti < ntok; ++ti) {
         const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
-        if (n <= 0) continue;
+        const int a = kLo ? std::max(S.lo[ti] - j0, 0) : 0;  // the token sees tile positions [a, n)
+        if (n <= a) continue;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = ti * rpt + hk * G + g;
           const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
           float* sr = S.s + r * kTile;
           float tmax = kNegInf;
-          for (int j = 0; j < n; ++j) {
+          for (int j = a; j < n; ++j) {
             const T* kr = kp[j] + koff;
             float dot = 0.f;
             for (int64_t d = 0; d < D; ++d) dot += to_f32(qr[d]) * to_f32(kr[d]);
@@ -376,7 +404,7 @@ struct GenericCore {
           const float mnew = std::max(mold, tmax);
           const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
           float sum = 0.f;
-          for (int j = 0; j < n; ++j) {
+          for (int j = a; j < n; ++j) {
             sr[j] = std::exp2(sr[j] - mnew);
             sum += sr[j];
           }
@@ -386,7 +414,7 @@ struct GenericCore {
           float* ar = S.acc + r * D;
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-          for (int j = 0; j < n; ++j) {
+          for (int j = a; j < n; ++j) {
             const T* vr = vp[j] + voff;
             const float p = sr[j];
             for (int64_t d = 0; d < D; ++d) ar[d] += p * to_f32(vr[d]);
@@ -481,12 +509,13 @@ inline __m512 dot16_bf16(const bf16* q, const bf16* const* k) {
 template <int NV>
 constexpr int kPvGroupRows = NV >= 16 ? 1 : (16 / NV > 8 ? 8 : 16 / NV);
 
-// acc[g] = alpha[g] * acc[g] + sum_j s[g][j] V[j] for GR rows sharing a KV head: each V row is
-// loaded (bf16: widened in registers) once for all GR rows, and the GR * NV accumulators are
-// independent FMA chains (two sets over alternate positions when that is too few to cover the
-// FMA latency).
+// acc[g] = alpha[g] * acc[g] + sum_{j_begin <= j < n} s[g][j] V[j] for GR rows sharing a KV
+// head: each V row is loaded (bf16: widened in registers) once for all GR rows, and the GR * NV
+// accumulators are independent FMA chains (two sets over alternate positions when that is too few
+// to cover the FMA latency).
 template <int NV, int GR, typename VT>
-inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* const* vrow, int64_t voff, int n) {
+inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* const* vrow, int64_t voff,
+                    int j_begin, int n) {
   constexpr int D = 16 * NV;
   constexpr int kSets = GR * NV < 8 ? 2 : 1;
   __m512 a[kSets][GR][NV];
@@ -506,7 +535,7 @@ inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* co
       for (int v = 0; v < NV; ++v) a[k][g][v] = _mm512_fmadd_ps(p, vv[v], a[k][g][v]);
     }
   };
-  int j = 0;
+  int j = j_begin;
   for (; j + kSets <= n; j += kSets)
     for (int k = 0; k < kSets; ++k) add_position(j + k, k);
   for (; j < n; ++j) add_position(j, 0);
@@ -518,14 +547,20 @@ inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* co
     }
 }
 
-// pv_rows for gr <= GR rows (the last group of a head may be short).
+// pv_rows for gr <= GR rows (the last group of a head may be short), over tile positions [a, n).
 template <int NV, typename VT, int GR = kPvGroupRows<NV>>
 inline void pv_group(int gr, float* acc, const float* s, const float* alpha, const VT* const* vrow, int64_t voff,
-                     int n) {
+                     int a, int n) {
   if constexpr (GR > 1) {
-    if (gr < GR) return pv_group<NV, VT, GR - 1>(gr, acc, s, alpha, vrow, voff, n);
+    if (gr < GR) return pv_group<NV, VT, GR - 1>(gr, acc, s, alpha, vrow, voff, a, n);
   }
-  pv_rows<NV, GR>(acc, s, alpha, vrow, voff, n);
+  pv_rows<NV, GR>(acc, s, alpha, vrow, voff, a, n);
+}
+
+// Lanes [0, hi) of 16 (hi may exceed 16), or [lo, hi) (lo may be negative).
+inline __mmask16 lanes16(int hi) { return hi >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << hi) - 1u); }
+inline __mmask16 lanes16(int lo, int hi) {
+  return lo <= 0 ? lanes16(hi) : static_cast<__mmask16>(lanes16(hi) & ~((1u << lo) - 1u));
 }
 
 // kDp: bf16 keys are consumed directly by vdpbf16ps (else converted to fp32 per tile).
@@ -533,6 +568,7 @@ inline void pv_group(int gr, float* acc, const float* s, const float* alpha, con
 // more tokens the head's tile is widened once into scratch and shared by all of them.
 template <typename T, int NV, bool kDp>
 struct Avx512Core {
+  template <bool kLo>
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
                    const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     constexpr int D = NV * 16;
@@ -574,14 +610,16 @@ struct Avx512Core {
 
       for (int64_t ti = 0; ti < ntok; ++ti) {
         const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
-        if (n <= 0) continue;
+        const int a = kLo ? std::max(S.lo[ti] - j0, 0) : 0;  // the token sees tile positions [a, n)
+        if (n <= a) continue;
+        const int g_first = a & ~15;
         const int64_t r0 = ti * rpt + hk * G;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = r0 + g;
           const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
           float* sr = S.s + r * kTile;
           __m512 vmax = vneg;
-          for (int g0 = 0; g0 < n; g0 += 16) {
+          for (int g0 = g_first; g0 < n; g0 += 16) {
             __m512 sc;
             if constexpr (kDp) {
 #if PA_AVX512BF16
@@ -591,8 +629,7 @@ struct Avx512Core {
               sc = dot16<NV>(qr, kpf + g0);
             }
             sc = _mm512_mul_ps(sc, vc);
-            const int left = n - g0;
-            const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+            const __mmask16 mk = kLo ? lanes16(a - g0, n - g0) : lanes16(n - g0);
             sc = _mm512_mask_blend_ps(mk, vneg, sc);
             _mm512_store_ps(sr + g0, sc);
             vmax = _mm512_max_ps(vmax, sc);
@@ -602,9 +639,8 @@ struct Avx512Core {
           const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
           const __m512 vm = _mm512_set1_ps(mnew);
           __m512 vsum = _mm512_setzero_ps();
-          for (int g0 = 0; g0 < n; g0 += 16) {
-            const int left = n - g0;
-            const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u);
+          for (int g0 = g_first; g0 < n; g0 += 16) {
+            const __mmask16 mk = kLo ? lanes16(a - g0, n - g0) : lanes16(n - g0);
             __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sr + g0), vm));
             p = _mm512_maskz_mov_ps(mk, p);
             _mm512_store_ps(sr + g0, p);
@@ -621,9 +657,9 @@ struct Avx512Core {
           const float* s = S.s + (r0 + g) * kTile;
           const float* alpha = S.alpha + r0 + g;
           if (!widen_v_once) {
-            pv_group<NV>(gr, acc, s, alpha, vp, voff, n);
+            pv_group<NV>(gr, acc, s, alpha, vp, voff, a, n);
           } else {
-            pv_group<NV>(gr, acc, s, alpha, vpf, 0, n);
+            pv_group<NV>(gr, acc, s, alpha, vpf, 0, a, n);
           }
         }
       }
@@ -692,6 +728,9 @@ inline __m256 lane_mask8(int left) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(left), iota));
 }
 
+// Lanes [lo, hi) (lo may be negative, hi past 8).
+inline __m256 lanes8(int lo, int hi) { return _mm256_andnot_ps(lane_mask8(lo), lane_mask8(hi)); }
+
 // 8 dot products q . k[i], i < 8 (fp32 keys; fp32 or bf16 q converted on the fly).
 template <int NV, typename QT>
 inline __m256 dot8(const QT* q, const float* const* k) {
@@ -705,6 +744,7 @@ inline __m256 dot8(const QT* q, const float* const* k) {
 
 template <typename T, int NV>
 struct Avx2Core {
+  template <bool kLo>
   static void tile(const Params& P, const Item& it, Scratch& S, int64_t ntok, int32_t j0, int jn,
                    const T* const* kp, const T* const* vp, PrefetchCursor& pf) {
     constexpr int D = NV * 8;
@@ -742,15 +782,17 @@ struct Avx2Core {
 
       for (int64_t ti = 0; ti < ntok; ++ti) {
         const int n = static_cast<int>(std::min<int64_t>(int64_t(S.lim[ti]) - j0, jn));
-        if (n <= 0) continue;
+        const int a = kLo ? std::max(S.lo[ti] - j0, 0) : 0;  // the token sees tile positions [a, n)
+        if (n <= a) continue;
+        const int g_first = a & ~7;
         for (int64_t g = 0; g < G; ++g) {
           const int64_t r = ti * rpt + hk * G + g;
           const T* qr = q_row<T>(P, it.q0 + ti, kvh * G + g);
           float* sr = S.s + r * kTile;
           __m256 vmax = vneg;
-          for (int g0 = 0; g0 < n; g0 += 8) {
+          for (int g0 = g_first; g0 < n; g0 += 8) {
             __m256 sc = _mm256_mul_ps(dot8<NV>(qr, kpf + g0), vc);
-            sc = _mm256_blendv_ps(vneg, sc, lane_mask8(n - g0));
+            sc = _mm256_blendv_ps(vneg, sc, kLo ? lanes8(a - g0, n - g0) : lane_mask8(n - g0));
             _mm256_store_ps(sr + g0, sc);
             vmax = _mm256_max_ps(vmax, sc);
           }
@@ -759,9 +801,9 @@ struct Avx2Core {
           const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
           const __m256 vm = _mm256_set1_ps(mnew);
           __m256 vsum = _mm256_setzero_ps();
-          for (int g0 = 0; g0 < n; g0 += 8) {
+          for (int g0 = g_first; g0 < n; g0 += 8) {
             __m256 e = exp2_ps8(_mm256_sub_ps(_mm256_load_ps(sr + g0), vm));
-            e = _mm256_and_ps(e, lane_mask8(n - g0));
+            e = _mm256_and_ps(e, kLo ? lanes8(a - g0, n - g0) : lane_mask8(n - g0));
             _mm256_store_ps(sr + g0, e);
             vsum = _mm256_add_ps(vsum, e);
           }
@@ -780,7 +822,7 @@ struct Avx2Core {
             // Two accumulator sets to hide FMA latency for small D (16 ymm registers in all).
             __m256 a1[NV];
             for (int v = 0; v < NV; ++v) a1[v] = _mm256_setzero_ps();
-            int j = 0;
+            int j = a;
             for (; j + 1 < n; j += 2) {
               const __m256 p0 = _mm256_set1_ps(sr[j]);
               const __m256 p1 = _mm256_set1_ps(sr[j + 1]);
@@ -795,7 +837,7 @@ struct Avx2Core {
             }
             for (int v = 0; v < NV; ++v) _mm256_store_ps(ar + 8 * v, _mm256_add_ps(a0[v], a1[v]));
           } else {
-            for (int j = 0; j < n; ++j) {
+            for (int j = a; j < n; ++j) {
               const __m256 p0 = _mm256_set1_ps(sr[j]);
               const float* v0 = vpf[j];
               for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * v), a0[v]);
@@ -909,12 +951,16 @@ void run_all(Params& P, int64_t B, int64_t impl) {
     const int32_t qs = P.qsl[b], qe = P.qsl[b + 1];
     const int32_t ql = qe - qs;
     if (ql <= 0) continue;
-    const int32_t sl = P.seq_lens[b];
     for (int32_t q0 = qs; q0 < qe; q0 += static_cast<int32_t>(QB)) {
       const int32_t q1 = static_cast<int32_t>(std::min<int64_t>(q0 + QB, qe));
-      const int32_t kv1 = sl - ql + (q1 - qs);  // visible end for the block's last query
-      const int64_t cost = int64_t(q1 - q0) * Hkv * G * kv1 + 64;
-      items.push_back(Item{static_cast<int32_t>(b), 0, Hkv, q0, q1, 0, kv1, -1, cost});
+      // The block's KV range: from its first token's lo (the lowest: lo grows with the position)
+      // to the furthest end any of its tokens sees (the last one's, unless kv_end says otherwise).
+      const int32_t kv0 = static_cast<int32_t>(token_lo(P, b, q0));
+      int64_t kv1 = token_hi(P, b, q1 - 1);
+      if (P.kv_end != nullptr)
+        for (int32_t t = q0; t < q1 - 1; ++t) kv1 = std::max<int64_t>(kv1, P.kv_end[t]);
+      const int64_t cost = int64_t(q1 - q0) * Hkv * G * (kv1 - kv0) + 64;
+      items.push_back(Item{static_cast<int32_t>(b), 0, Hkv, q0, q1, kv0, static_cast<int32_t>(kv1), -1, cost});
       total += cost;
     }
   }
@@ -943,16 +989,16 @@ void run_all(Params& P, int64_t B, int64_t impl) {
     int32_t nparts = 0;
     for (const Item& it : items) {
       const bool single_block = it.q0 == P.qsl[it.b] && it.q1 == P.qsl[it.b + 1];
-      const int64_t ns =
-          single_block ? std::min<int64_t>((it.cost + target - 1) / target, it.kv1 / kMinSplit) : 1;
+      const int64_t span = it.kv1 - it.kv0;
+      const int64_t ns = single_block ? std::min<int64_t>((it.cost + target - 1) / target, span / kMinSplit) : 1;
       if (ns <= 1) {
         split.push_back(it);
         continue;
       }
-      const int64_t per = ((it.kv1 + ns - 1) / ns + kTile - 1) / kTile * kTile;  // tile-aligned
+      const int64_t per = ((span + ns - 1) / ns + kTile - 1) / kTile * kTile;  // tile-aligned
       const int32_t part0 = nparts;
       int32_t cnt = 0;
-      for (int64_t a = 0; a < it.kv1; a += per) {
+      for (int64_t a = it.kv0; a < it.kv1; a += per) {
         Item s = it;
         s.kv0 = static_cast<int32_t>(a);
         s.kv1 = static_cast<int32_t>(std::min<int64_t>(a + per, it.kv1));
@@ -981,7 +1027,7 @@ void run_all(Params& P, int64_t B, int64_t impl) {
         Item s = it;
         s.h0 = h;
         s.nh = 1;
-        s.cost = int64_t(it.q1 - it.q0) * G * it.kv1 + 64;
+        s.cost = int64_t(it.q1 - it.q0) * G * (it.kv1 - it.kv0) + 64;
         split.push_back(s);
       }
     }
@@ -1030,7 +1076,7 @@ void run_all(Params& P, int64_t B, int64_t impl) {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, std::optional<at::Tensor> out,
-                           int64_t impl) {
+                           int64_t impl, int64_t window, std::optional<at::Tensor> kv_end) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache/v_cache must be [num_pages, page_size, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
@@ -1067,15 +1113,32 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int64_t bt_stride = block_table.stride(0);
   TORCH_CHECK(qsl[0] >= 0 && qsl[B] <= T, "query_start_loc out of range [0, T]");
+  TORCH_CHECK(window >= 0 && window <= std::numeric_limits<int32_t>::max(), "window must be >= 0, got ", window);
+  const int32_t* ke = nullptr;
+  if (kv_end.has_value() && kv_end->defined()) {
+    TORCH_CHECK(kv_end->scalar_type() == at::kInt && kv_end->device().is_cpu(), "kv_end must be an int32 CPU tensor");
+    TORCH_CHECK(kv_end->dim() == 1 && kv_end->size(0) == T && kv_end->is_contiguous(),
+                "kv_end must be a contiguous [T] tensor");
+    ke = kv_end->data_ptr<int32_t>();
+  }
   for (int64_t b = 0; b < B; ++b) {
     const int64_t ql = int64_t(qsl[b + 1]) - qsl[b];
     TORCH_CHECK(ql >= 0, "query_start_loc must be non-decreasing");
     if (ql == 0) continue;
     TORCH_CHECK(sl[b] >= ql, "seq_lens[", b, "]=", sl[b], " < number of queries ", ql);
+    if (ke != nullptr) {
+      for (int64_t j = 0; j < ql; ++j) {
+        const int64_t pos = sl[b] - ql + j, end = ke[qsl[b] + j];
+        TORCH_CHECK(end > pos && end <= sl[b], "kv_end[", qsl[b] + j, "]=", end, " outside [", pos + 1, ", ", sl[b],
+                    "] (its position + 1 .. seq_len)");
+      }
+    }
     const int64_t np = (int64_t(sl[b]) + page_size - 1) / page_size;
     TORCH_CHECK(np <= max_pages, "seq_lens[", b, "] needs ", np, " pages but block_table has ", max_pages);
+    // Pages wholly before the sequence's lowest window start may be stale: neither read nor checked.
+    const int64_t first = window > 0 ? std::max<int64_t>(sl[b] - ql - window + 1, 0) / page_size : 0;
     const int32_t* row = bt + b * bt_stride;
-    for (int64_t i = 0; i < np; ++i)
+    for (int64_t i = first; i < np; ++i)
       TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "block_table[", b, ", ", i, "]=", row[i], " out of range");
   }
 
@@ -1110,6 +1173,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   P.bt_stride = bt_stride;
   P.seq_lens = sl;
   P.qsl = qsl;
+  P.kv_end = ke;
+  P.window = window;
   P.Hkv = Hkv;
   P.G = Hq / Hkv;
   P.D = D;
@@ -1187,10 +1252,11 @@ std::string build_info() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vlm_engine fused paged attention (CPU)";
-  m.def("paged_attention", &paged_attention, "Paged causal attention (see reference.py for the contract)",
+  m.def("paged_attention", &paged_attention,
+        "Paged attention: causal, sliding-window, per-token KV ends (see reference.py for the contract)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("window") = 0, py::arg("kv_end") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv, "Write the step's K/V rows into their cache slots", py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info, "Compile-time ISA features of this build");
