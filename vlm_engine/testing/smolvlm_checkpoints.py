@@ -15,7 +15,7 @@ image's longest edge is resized to 192 px, i.e. up to 3 x 3 tiles plus the globa
 "bench-500m" is SmolVLM2-500M-Video-Instruct's shape (text: 32 x 960 Llama layers, 15 heads / 5 KV
 heads, MLP 2560; vision: 12 x 768 SigLIP layers, 16-px patches, 512-px tiles, scale factor 4, so 64
 tokens a tile; its processor: longest edge 2048, 512-px tiles, video frames at 512 px) except the
-vocabulary, which is our small tokenizer's (2,088 tokens instead of 49,280: ~91M fewer parameters in
+vocabulary, which is our small tokenizer's (2,089 tokens instead of 49,280: ~91M fewer parameters in
 the embedding and the untied LM head).
 """
 
@@ -120,6 +120,9 @@ def _build_tokenizer(staging: Path) -> Any:
 
     tok = _train_bpe_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SMOLVLM_SPECIAL_TOKENS])
+    # "\n\n" is one token in SmolLM2's vocabulary, and llama.cpp's SmolVLM prompt (mtmd) looks it up as one
+    # (before the global image); our corpus has too few blank lines for the BPE to learn it.
+    tok.add_tokens([AddedToken("\n\n", special=False, normalized=False)])
     staging.mkdir(parents=True, exist_ok=True)
     tok.save(str(staging / "tokenizer.json"))
     config = {
@@ -150,6 +153,8 @@ def smolvlm_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) -
 
     text = {
         **preset["text"],
+        # as the released config.json says (llama.cpp's converter picks its text model class by it)
+        "architectures": ["VLlama3ForCausalLM"],
         "vocab_size": vocab_size,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
@@ -230,5 +235,10 @@ def _processor(spec: Preset, tokenizer: Any) -> Any:
     return SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**images), video_processor=video, **common)
 
 
+# Bumped when this module's output changes (the cache key holds checkpoints.BUILDER_VERSION, not this).
+SMOLVLM_BUILDER_VERSION = 3
+
+
 def cached_smolvlm(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_checkpoint(f"smolvlm2-{preset}-seed{seed}", lambda tmp: write_smolvlm(tmp, preset, seed), cache_root)
+    name = f"smolvlm2-b{SMOLVLM_BUILDER_VERSION}-{preset}-seed{seed}"
+    return cached_checkpoint(name, lambda tmp: write_smolvlm(tmp, preset, seed), cache_root)
