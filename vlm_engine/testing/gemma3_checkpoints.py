@@ -93,6 +93,9 @@ GEMMA3_PRESETS: dict[str, Preset] = {
         },
         "mm_tokens_per_image": 16,
         "vocab_size": None,  # the tokenizer's
+        # Untied: with the embedding as LM head the tiny model's greedy tokens repeat the prompt's last
+        # token (its scaled embedding dominates the residual stream); the released configs tie (bench-4b,
+        # tests/test_gemma3_checkpoint_names.py).
         "tie_word_embeddings": False,
         "std": 0.2,
         "norm_std": 0.1,
@@ -154,7 +157,9 @@ def _build_tokenizer(staging: Path) -> Any:
 def gemma3_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) -> Any:
     from transformers import Gemma3Config
 
+    tied = preset.get("tie_word_embeddings", True)
     text = {
+        "tie_word_embeddings": tied,
         **preset["text"],
         "vocab_size": vocab_size,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -171,7 +176,7 @@ def gemma3_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) ->
         boi_token_index=token_ids["<start_of_image>"],
         eoi_token_index=token_ids["<end_of_image>"],
         image_token_index=token_ids["<image_soft_token>"],
-        tie_word_embeddings=preset.get("tie_word_embeddings", True),
+        tie_word_embeddings=tied,
         architectures=["Gemma3ForConditionalGeneration"],
         # gemma-3-*-it: generation ends at <eos> or <end_of_turn>
         eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
@@ -239,5 +244,10 @@ def write_gemma3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     return out
 
 
+# Bumped when this module's output changes (the cache key holds checkpoints.BUILDER_VERSION, not this).
+GEMMA3_BUILDER_VERSION = 2
+
+
 def cached_gemma3(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_checkpoint(f"gemma3-{preset}-seed{seed}", lambda tmp: write_gemma3(tmp, preset, seed), cache_root)
+    name = f"gemma3-b{GEMMA3_BUILDER_VERSION}-{preset}-seed{seed}"
+    return cached_checkpoint(name, lambda tmp: write_gemma3(tmp, preset, seed), cache_root)
