@@ -183,6 +183,11 @@ def gemma3_config(preset: Preset, token_ids: dict[str, int], vocab_size: int) ->
     )
 
 
+# Values drawn per block of this many (a multiple of 16, the CPU normal sampler's group): a bf16 4B model
+# is filled without an fp32 copy of its 671M-row embedding beside it.
+_INIT_BLOCK = 1 << 24
+
+
 def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) -> None:
     """Every parameter from one seeded generator, in named_parameters() order: matrices, embeddings and
     biases N(0, std); Gemma's RMSNorm weights (stored as scale - 1) N(0, norm_std), so that 1 + w is
@@ -193,13 +198,15 @@ def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) 
     with torch.no_grad():
         for name, param in model.named_parameters():
             module = name.rsplit(".", 2)[-2]
-            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            base, scale = 0.0, std
             if "norm" in module:
                 layer_norm = "vision_tower" in name  # the tower's are LayerNorms; the rest Gemma's RMSNorms
-                base = 1.0 if layer_norm and name.endswith("weight") else 0.0
-                param.copy_(base + noise * norm_std)
-            else:
-                param.copy_(noise * std)
+                base, scale = (1.0 if layer_norm and name.endswith("weight") else 0.0), norm_std
+            flat = param.view(-1)
+            for start in range(0, flat.numel(), _INIT_BLOCK):
+                count = min(_INIT_BLOCK, flat.numel() - start)
+                block = torch.randn(count, generator=generator, dtype=torch.float32).mul_(scale).add_(base)
+                flat[start : start + count].copy_(block)
 
 
 def write_gemma3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
