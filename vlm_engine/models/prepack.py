@@ -273,10 +273,15 @@ def prepack_linears(
     for parent, name in linears:
         child = getattr(parent, name)
         dtypes.add(child.weight.dtype)
-        # A MergedLinear of exactly gate_proj then up_proj (GatedMLP's): its output only feeds
-        # silu(gate) * up, which the layer plans ask of it (`silu_and_mul_rows_fn`).
+        # A MergedLinear of exactly gate_proj then up_proj in a SiLU GatedMLP: its output only feeds
+        # silu(gate) * up, which the layer plans ask of it (`silu_and_mul_rows_fn`). Another activation
+        # (Gemma's GELU) reads the projection's plain output, so it keeps the plain packing.
         shards = getattr(child, "shards", {})
-        gate_up = tuple(shards) == ("gate_proj", "up_proj") and shards["gate_proj"][1] == shards["up_proj"][1]
+        gate_up = (
+            tuple(shards) == ("gate_proj", "up_proj")
+            and shards["gate_proj"][1] == shards["up_proj"][1]
+            and getattr(parent, "activation", "silu") == "silu"
+        )
         setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
     for dtype in dtypes:
         _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)

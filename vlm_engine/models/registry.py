@@ -43,6 +43,7 @@ ARCHITECTURES: dict[str, str] = {
     "SmolVLMForConditionalGeneration": "vlm_engine.models.smolvlm",
     "Idefics3ForConditionalGeneration": "vlm_engine.models.smolvlm",
     "Gemma3ForConditionalGeneration": "vlm_engine.models.gemma3",
+    "Gemma3ForCausalLM": "vlm_engine.models.gemma3",
     "PlacardForConditionalGeneration": "vlm_engine.models.placard",
 }
 
