@@ -162,3 +162,38 @@ def test_atomic_media_spans_never_end_a_chunk_inside_a_span() -> None:
         sched.update(plan, runner.execute(plan))
         sched.check_invariants()
     assert ("a", 0, 6) in chunks and ("a", 14, 37) in chunks
+
+
+def _held_after_prefill(engine, prompt: list[int]) -> tuple[int, int]:
+    """(KV bytes held, window pages held) right after the prompt's prefill, before it decodes on."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    request = engine.scheduler.requests[rid]
+    while request.num_output_tokens == 0:
+        engine.step_tokens()
+    held = engine.kv_bytes_in_use(), len(held_pages(request))
+    while engine.has_unfinished:
+        engine.step_tokens()
+    return held
+
+
+def test_gemma3_engine_gives_back_the_window_layers_pages() -> None:
+    """Tiny Gemma 3 (3 of 5 layers with a 32-token window): after a 300-token prefill in 64-token
+    chunks the window layers hold about one window of pages; with every layer attending fully, all."""
+    from vlm_engine import Engine
+    from vlm_engine.testing.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+
+    window = GEMMA3_PRESETS["tiny"]["text"]["sliding_window"]
+    prompt = [random.Random(5).randrange(300, 900) for _ in range(300)]
+    options = {"dtype": "float32", "kv_cache_tokens": 1024, "max_num_batched_tokens": 64, "page_size": 16}
+    windowed = Engine(str(cached_gemma3("tiny")), **options)
+    full = Engine(str(cached_gemma3("tiny")), disable_sliding_window=True, **options)
+    assert full.window_pool is None and windowed.window_pool is not None
+    held_windowed, window_pages = _held_after_prefill(windowed, prompt)
+    held_full, _ = _held_after_prefill(full, prompt)
+    assert window_pages <= -(-window // 16) + 2
+    pages = -(-301 // 16)  # the prompt and its first token
+    page_bytes = held_full // pages // 5  # one layer's page
+    assert held_full == 5 * pages * page_bytes
+    assert held_windowed == 2 * pages * page_bytes + 3 * window_pages * page_bytes
+    windowed.pool.check_invariants()
+    assert windowed.window_pool.num_used == 0 and windowed.pool.num_used == 0
