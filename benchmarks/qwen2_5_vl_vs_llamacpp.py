@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -619,6 +620,84 @@ def _size(text: str) -> tuple[int, int]:
     return int(w), int(h)
 
 
+def add_run_args(p: argparse.ArgumentParser, *, max_duration: float) -> None:
+    """The flags after --llama-ctx that every `*_vs_llamacpp` multimodal bench shares."""
+    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
+    p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
+    p.add_argument(
+        "--max-duration", type=float, default=max_duration, help="per point: no new requests after this many s"
+    )
+    p.add_argument("--request-timeout", type=float, default=900.0)
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--smoke", action="store_true", help="one request per point, 16 output tokens")
+    p.add_argument("--prepare-only", action="store_true", help="write the checkpoint and GGUF files, then stop")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--render", type=Path, default=None, help="rewrite DIR/table.md from DIR/results.json, no run")
+
+
+def parse_lists(args: argparse.Namespace) -> argparse.Namespace:
+    """Split the comma lists; --smoke: one request per point and 16 output tokens unless given."""
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.sides = [s for s in args.sides.split(",") if s]
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.smoke:
+        args.requests = args.requests or {c: 1 for c in args.concurrency}
+        args.output_tokens = 16 if args.output_tokens == 64 else args.output_tokens
+    return args
+
+
+def render(args: argparse.Namespace) -> int:
+    """--render DIR: rewrite DIR/table.md from DIR/results.json, keeping its head."""
+    saved = json.loads((args.render / "results.json").read_text())
+    old_head = (args.render / "table.md").read_text().split("\nRequests per point:")[0].splitlines() + [""]
+    (args.render / "table.md").write_text(report(saved["results"], args, old_head, R.machine_ceilings()))
+    print((args.render / "table.md").read_text())
+    return 0
+
+
+def run_and_report(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    server: Path,
+    files: dict[str, Path],
+    make_sides: Callable[[], Iterable[Side]],
+    *,
+    out_pattern: str,
+    title: str,
+    script: str,
+) -> int:
+    """Run every side, write DIR/results.json after each and DIR/table.md at the end; 1 if any request failed."""
+    tier = isa_tier()
+    machine = R.machine_ceilings()
+    out = args.out or RESULTS / time.strftime(out_pattern)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}", flush=True)
+    started = time.strftime("%Y-%m-%d %H:%M")
+    results: list[dict[str, Any]] = []
+    for side in make_sides():
+        results.append(run_side(side, args, out))
+        (out / "results.json").write_text(json.dumps({"results": results}, indent=1))
+
+    flags = " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
+    head = [
+        f"# vlm-engine vs llama.cpp, {title} — {started} to {time.strftime('%H:%M')}",
+        "",
+        f"Command: `.venv/bin/python {script} {' '.join(argv or sys.argv[1:])}`",
+        "",
+        f"CPU tier **{tier}** (flags: {flags}); llama-server {server}; files: "
+        + ", ".join(f"{k} {v.name} ({v.stat().st_size / 2**30:.2f} GiB)" for k, v in files.items()),
+        "",
+    ]
+    text = report(results, args, head, machine)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(
+        json.dumps({"results": results, "tier": tier, "argv": argv or sys.argv[1:]}, indent=1)
+    )
+    print(text)
+    print(f"wrote {out}/table.md and results.json")
+    return 1 if "Errors:" in text else 0
+
+
 # The last is not run by default: ours with plain nn.Linear weights (one copy of each instead of two packed ones).
 SIDE_NAMES = ("ours", "llama.cpp bf16 + mmproj", "llama.cpp Q4_K_M + mmproj", "ours no-prepack")
 
@@ -645,29 +724,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="llama-server -c, split over its -np slots (0: its own default, the model's training context)",
     )
-    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
-    p.add_argument("--max-duration", type=float, default=400.0, help="per point: no new requests after this many s")
-    p.add_argument("--request-timeout", type=float, default=900.0)
-    p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--smoke", action="store_true", help="one request per point, 16 output tokens")
-    p.add_argument("--prepare-only", action="store_true", help="write the checkpoint and GGUF files, then stop")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--render", type=Path, default=None, help="rewrite DIR/table.md from DIR/results.json, no run")
-    args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.sides = [s for s in args.sides.split(",") if s]
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    if args.smoke:
-        args.requests = args.requests or {c: 1 for c in args.concurrency}
-        args.output_tokens = 16 if args.output_tokens == 64 else args.output_tokens
+    add_run_args(p, max_duration=400.0)
+    args = parse_lists(p.parse_args(argv))
     args.requests = args.requests or {c: c for c in args.concurrency}  # one request per slot: ~25 min in all
     if args.render is not None:
-        saved = json.loads((args.render / "results.json").read_text())
-        old_head = (args.render / "table.md").read_text().split("\nRequests per point:")[0].splitlines() + [""]
-        (args.render / "table.md").write_text(report(saved["results"], args, old_head, R.machine_ceilings()))
-        print((args.render / "table.md").read_text())
-        return 0
+        return render(args)
     servers.install_signal_handlers()
 
     server = V.find_llama_server(args.llama_server)
@@ -684,35 +745,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare_only:
         return 0
 
-    tier = isa_tier()
-    machine = R.machine_ceilings()
-    out = args.out or RESULTS / time.strftime("q25vl-vs-llamacpp-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}", flush=True)
-    started = time.strftime("%Y-%m-%d %H:%M")
-    results: list[dict[str, Any]] = []
-    for side in sides(args, server, files):
-        results.append(run_side(side, args, out))
-        (out / "results.json").write_text(json.dumps({"results": results}, indent=1))
-
-    flags = " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
-    head = [
-        f"# vlm-engine vs llama.cpp, Qwen2.5-VL-3B-shaped — {started} to {time.strftime('%H:%M')}",
-        "",
-        f"Command: `.venv/bin/python benchmarks/qwen2_5_vl_vs_llamacpp.py {' '.join(argv or sys.argv[1:])}`",
-        "",
-        f"CPU tier **{tier}** (flags: {flags}); llama-server {server}; files: "
-        + ", ".join(f"{k} {v.name} ({v.stat().st_size / 2**30:.2f} GiB)" for k, v in files.items()),
-        "",
-    ]
-    text = report(results, args, head, machine)
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(
-        json.dumps({"results": results, "tier": tier, "argv": argv or sys.argv[1:]}, indent=1)
+    return run_and_report(
+        args,
+        argv,
+        server,
+        files,
+        lambda: sides(args, server, files),
+        out_pattern="q25vl-vs-llamacpp-%Y%m%d-%H%M%S",
+        title="Qwen2.5-VL-3B-shaped",
+        script="benchmarks/qwen2_5_vl_vs_llamacpp.py",
     )
-    print(text)
-    print(f"wrote {out}/table.md and results.json")
-    return 1 if "Errors:" in text else 0
 
 
 if __name__ == "__main__":

@@ -28,18 +28,13 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import qwen2_5_vl_vs_llamacpp as Q  # first: its imports cap torch's ISA where asked, and it wraps client chunks
-import roofline as R
 import servers
 import vs_llamacpp as V
-
-from vlm_engine.kernels.cpu_isa import cpu_flags, isa_tier
 
 DEFAULT_MODEL_DIR = Path("/tmp/smolvlm2-bench-500m")
 DEFAULT_GGUF_DIR = Path("/tmp/smolvlm2-gguf")
@@ -160,30 +155,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="llama-server -c, split over its -np slots (0: the training context, at least 2,048 a slot)",
     )
-    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
-    p.add_argument("--max-duration", type=float, default=600.0, help="per point: no new requests after this many s")
-    p.add_argument("--request-timeout", type=float, default=900.0)
-    p.add_argument("--startup-timeout", type=float, default=900.0)
-    p.add_argument("--smoke", action="store_true", help="one request per point, 16 output tokens")
-    p.add_argument("--prepare-only", action="store_true", help="write the checkpoint and GGUF files, then stop")
-    p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--render", type=Path, default=None, help="rewrite DIR/table.md from DIR/results.json, no run")
-    args = p.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
-    args.sides = [s for s in args.sides.split(",") if s]
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    if args.smoke:
-        args.requests = args.requests or {c: 1 for c in args.concurrency}
-        args.output_tokens = 16 if args.output_tokens == 64 else args.output_tokens
+    Q.add_run_args(p, max_duration=600.0)
+    args = Q.parse_lists(p.parse_args(argv))
     args.requests = args.requests or {c: max(2, c) for c in args.concurrency}
     Q.request_cost = request_cost  # the shared tables' cost lines: SmolVLM's arithmetic
     if args.render is not None:
-        saved = json.loads((args.render / "results.json").read_text())
-        old_head = (args.render / "table.md").read_text().split("\nRequests per point:")[0].splitlines() + [""]
-        (args.render / "table.md").write_text(Q.report(saved["results"], args, old_head, R.machine_ceilings()))
-        print((args.render / "table.md").read_text())
-        return 0
+        return Q.render(args)
     servers.install_signal_handlers()
 
     server = V.find_llama_server(args.llama_server)
@@ -201,35 +178,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare_only:
         return 0
 
-    tier = isa_tier()
-    machine = R.machine_ceilings()
-    out = args.out or Q.RESULTS / time.strftime("smolvlm-vs-llamacpp-%Y%m%d-%H%M%S")
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"CPU tier {tier}; {machine.describe()}\nllama-server {server}", flush=True)
-    started = time.strftime("%Y-%m-%d %H:%M")
-    results: list[dict[str, Any]] = []
-    for side in sides(args, server, files):
-        results.append(Q.run_side(side, args, out))
-        (out / "results.json").write_text(json.dumps({"results": results}, indent=1))
-
-    flags = " ".join(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"}))
-    head = [
-        f"# vlm-engine vs llama.cpp, SmolVLM2-500M-shaped — {started} to {time.strftime('%H:%M')}",
-        "",
-        f"Command: `.venv/bin/python benchmarks/smolvlm_vs_llamacpp.py {' '.join(argv or sys.argv[1:])}`",
-        "",
-        f"CPU tier **{tier}** (flags: {flags}); llama-server {server}; files: "
-        + ", ".join(f"{k} {v.name} ({v.stat().st_size / 2**30:.2f} GiB)" for k, v in files.items()),
-        "",
-    ]
-    text = Q.report(results, args, head, machine)
-    (out / "table.md").write_text(text)
-    (out / "results.json").write_text(
-        json.dumps({"results": results, "tier": tier, "argv": argv or sys.argv[1:]}, indent=1)
+    return Q.run_and_report(
+        args,
+        argv,
+        server,
+        files,
+        lambda: sides(args, server, files),
+        out_pattern="smolvlm-vs-llamacpp-%Y%m%d-%H%M%S",
+        title="SmolVLM2-500M-shaped",
+        script="benchmarks/smolvlm_vs_llamacpp.py",
     )
-    print(text)
-    print(f"wrote {out}/table.md and results.json")
-    return 1 if "Errors:" in text else 0
 
 
 if __name__ == "__main__":

@@ -14,8 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, make_image, to_hf_messages, user
-from tests.test_fast_numerics import compare_greedy_logprobs, greedy_agreement
+from tests.conftest import make_image, to_hf_messages, user
+from tests.family_matrix import (
+    base_conversations,
+    exact_engine,
+    fast_agreement,
+    hf_references,
+    load_hf_model,
+    uncached_engine,
+)
+from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.testing.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
 
@@ -28,15 +36,7 @@ LONG_TEXT = (
     "with their baskets of apples, bread and flowers while the children ran ahead to the school."
 )
 CONVERSATIONS = [
-    [{"role": "user", "content": "Tell me a story about a red fox."}],
-    user(make_image(64, 48, 1), "What is in this picture?"),
-    user("Compare these:", make_image(97, 41, 2), make_image(37, 83, 3), "Which is taller?"),
-    [
-        {"role": "system", "content": "You answer briefly."},
-        {"role": "user", "content": [{"type": "image", "image": make_image(50, 70, 4)}, {"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": "A picture of blocks."},
-        {"role": "user", "content": "Which colors?"},
-    ],
+    *base_conversations(),
     # Longer than the window: the first image and the text after it fall out of the sliding layers'
     # window before the second image and the question, which sit inside it.
     user("Look:", make_image(80, 60, 5), LONG_TEXT, make_image(45, 90, 6), "And now, what changed?"),
@@ -53,20 +53,17 @@ def checkpoint() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(str(checkpoint))
+    return load_hf_model(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def references(hf_model: tuple[Any, Any]) -> list[list[int]]:
-    return [hf_greedy(hf_model, c, MAX_TOKENS) for c in CONVERSATIONS]
+    return hf_references(hf_model, CONVERSATIONS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Engine:
-    return Engine(str(checkpoint), dtype="float32", kv_cache_tokens=8192, numerics="exact")
+    return exact_engine(checkpoint)
 
 
 def test_the_model_has_windows_and_bidirectional_images(engine: Engine) -> None:
@@ -114,7 +111,7 @@ def test_prefix_cache_on_equals_off(checkpoint: Path, engine: Engine, references
     first = engine.chat([conv], GREEDY)[0]
     again = engine.chat([conv], GREEDY)[0]
     assert again.cached_tokens > 0
-    uncached = Engine(str(checkpoint), dtype="float32", kv_cache_tokens=2048, numerics="exact", enable_prefix_cache=False)
+    uncached = uncached_engine(checkpoint)
     off = uncached.chat([conv], GREEDY)[0]
     assert off.cached_tokens == 0
     assert first.token_ids == again.token_ids == off.token_ids == references[4]
@@ -189,10 +186,7 @@ def test_pan_and_scan_crops_match_hf(pan_and_scan_checkpoint: Path, hf_model: tu
 
 
 def test_fast_numerics_agree_with_exact(checkpoint: Path, engine: Engine) -> None:
-    fast = Engine(str(checkpoint), dtype="float32", kv_cache_tokens=2048, numerics="fast")
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
-    convs = [CONVERSATIONS[2], CONVERSATIONS[4]]
-    agreed = [compare_greedy_logprobs(f, e) for f, e in zip(fast.chat(convs, params), engine.chat(convs, params))]
+    agreed = fast_agreement(checkpoint, engine, [CONVERSATIONS[2], CONVERSATIONS[4]], MAX_TOKENS)
     assert min(agreed) >= MAX_TOKENS // 2, agreed
 
 

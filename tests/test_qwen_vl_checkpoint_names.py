@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from vlm_engine.models import loader, registry
+from tests.family_matrix import meta_model
+from vlm_engine.models import loader
 
 QWEN2_5_VL_VISION = {
     "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "patch_size": 14, "spatial_merge_size": 2,
@@ -122,8 +123,7 @@ def released_checkpoint(config: Any) -> list[tuple[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
 def test_every_checkpoint_tensor_loads_into_a_parameter_of_its_shape(name: str) -> None:
     config = real_config(name)
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     checkpoint = released_checkpoint(config)
     assert loader.load_weights(model, checkpoint) == []  # raises on a missing tensor or a wrong shape
     ours = sum(p.numel() for p in model.parameters())
@@ -132,8 +132,7 @@ def test_every_checkpoint_tensor_loads_into_a_parameter_of_its_shape(name: str) 
 
 def test_a_wrong_shape_is_refused() -> None:
     config = real_config("Qwen3-VL-2B-Instruct")
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     checkpoint = released_checkpoint(config)
     name, tensor = checkpoint[-1]
     checkpoint[-1] = (name, torch.empty(tensor.shape[0] + 1, *tensor.shape[1:], device="meta"))
@@ -143,7 +142,6 @@ def test_a_wrong_shape_is_refused() -> None:
 
 def test_a_leftover_tensor_is_reported() -> None:
     config = real_config("Qwen2.5-VL-3B-Instruct")
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     checkpoint = [*released_checkpoint(config), ("visual.blocks.99.attn.qkv.weight", torch.empty(3, device="meta"))]
     assert loader.load_weights(model, checkpoint) == ["visual.blocks.99.attn.qkv.weight"]

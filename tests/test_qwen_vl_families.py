@@ -15,8 +15,17 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import hf_greedy, make_image, to_hf_messages, user
-from tests.test_fast_numerics import compare_greedy_logprobs
+from tests.conftest import make_image, to_hf_messages
+from tests.family_matrix import (
+    STRUCTURED_SCHEMA,
+    base_conversations,
+    exact_engine,
+    fast_agreement,
+    hf_references,
+    load_hf_model,
+    uncached_engine,
+    wide_image,
+)
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 from vlm_engine.testing.videos import make_clip
@@ -31,18 +40,7 @@ VARIANTS = {
 }
 
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Tell me a story about a red fox."}],
-    user(make_image(64, 48, 1), "What is in this picture?"),
-    user("Compare these:", make_image(97, 41, 2), make_image(37, 83, 3), "Which is taller?"),
-    [
-        {"role": "system", "content": "You answer briefly."},
-        {"role": "user", "content": [{"type": "image", "image": make_image(50, 70, 4)}, {"type": "text", "text": "Hi"}]},
-        {"role": "assistant", "content": "A picture of blocks."},
-        {"role": "user", "content": "Which colors?"},
-    ],
-    user(make_image(230, 57, 5), "A wide one."),
-]
+CONVERSATIONS = [*base_conversations(), wide_image()]
 NAMES = ["text", "one-image", "two-odd-images", "multi-turn", "wide-image"]
 
 
@@ -53,22 +51,17 @@ def variant(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 @pytest.fixture(scope="module")
 def hf_model(variant: tuple[str, Path]) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    path = variant[1]
-    return AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval(), AutoProcessor.from_pretrained(
-        str(path)
-    )
+    return load_hf_model(variant[1])
 
 
 @pytest.fixture(scope="module")
 def references(hf_model: tuple[Any, Any]) -> list[list[int]]:
-    return [hf_greedy(hf_model, c, MAX_TOKENS) for c in CONVERSATIONS]
+    return hf_references(hf_model, CONVERSATIONS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def engine(variant: tuple[str, Path]) -> Engine:
-    return Engine(str(variant[1]), dtype="float32", kv_cache_tokens=8192, numerics="exact")
+    return exact_engine(variant[1])
 
 
 def test_prompt_equals_hf_processor(engine: Engine, hf_model: tuple[Any, Any]) -> None:
@@ -95,7 +88,7 @@ def test_prefix_cache_on_equals_off(variant: tuple[str, Path], engine: Engine, r
     first = engine.chat([conv], GREEDY)[0]
     again = engine.chat([conv], GREEDY)[0]
     assert again.cached_tokens >= again.prompt_tokens - engine.config.cache.page_size  # the images' KV reused
-    uncached = Engine(str(variant[1]), dtype="float32", kv_cache_tokens=2048, numerics="exact", enable_prefix_cache=False)
+    uncached = uncached_engine(variant[1])
     off = uncached.chat([conv], GREEDY)[0]
     assert off.cached_tokens == 0
     assert first.token_ids == again.token_ids == off.token_ids == references[2]
@@ -189,21 +182,12 @@ def test_video_time_spaces_the_temporal_positions(engine: Engine, variant: tuple
 
 
 def test_fast_numerics_agree_with_exact(variant: tuple[str, Path], engine: Engine) -> None:
-    fast = Engine(str(variant[1]), dtype="float32", kv_cache_tokens=2048, numerics="fast")
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
-    convs = [CONVERSATIONS[2], CONVERSATIONS[3]]
-    agreed = [compare_greedy_logprobs(f, e) for f, e in zip(fast.chat(convs, params), engine.chat(convs, params))]
+    agreed = fast_agreement(variant[1], engine, [CONVERSATIONS[2], CONVERSATIONS[3]], MAX_TOKENS)
     assert min(agreed) >= MAX_TOKENS // 2, agreed
 
 
 def test_structured_output_with_an_image(engine: Engine) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"title": {"type": "string", "maxLength": 12}, "year": {"type": "integer"}},
-        "required": ["title", "year"],
-        "additionalProperties": False,
-    }
-    params = SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema)
+    params = SamplingParams(max_tokens=80, temperature=0.0, json_schema=STRUCTURED_SCHEMA)
     out = engine.chat([CONVERSATIONS[1]], params)[0]
     assert out.finish_reason == "stop"
     assert set(json.loads(out.text)) == {"title", "year"}

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from vlm_engine.models import loader, registry
+from tests.family_matrix import meta_model
+from vlm_engine.models import loader
 
 # SigLIP-B/16 at 512 px (the 256M / 500M towers) and SigLIP so400m/14 at 384 px (the 2.2B's)
 VISION_BASE_512 = {
@@ -96,8 +97,7 @@ def released_checkpoint(config: Any) -> list[tuple[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", sorted(REAL_CONFIGS))
 def test_every_checkpoint_tensor_loads_into_a_parameter_of_its_shape(name: str) -> None:
     config = real_config(name)
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     checkpoint = released_checkpoint(config)
     parts = {n.split(".")[1] for n, _ in checkpoint if n.startswith("model.")}
     assert parts == {"text_model", "vision_model", "connector"}
@@ -107,16 +107,14 @@ def test_every_checkpoint_tensor_loads_into_a_parameter_of_its_shape(name: str) 
 
 def test_a_leftover_tensor_is_reported() -> None:
     config = real_config("SmolVLM2-256M-Video-Instruct")
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     extra = ("model.vision_model.head.probe", torch.empty(1, 1, 768, device="meta"))
     assert loader.load_weights(model, [*released_checkpoint(config), extra]) == ["vision_model.head.probe"]
 
 
 def test_a_wrong_shape_is_refused() -> None:
     config = real_config("SmolVLM2-500M-Video-Instruct")
-    with torch.device("meta"):
-        model = registry.model_class(config)(config)
+    model = meta_model(config)
     checkpoint = released_checkpoint(config)
     index = next(i for i, (n, _) in enumerate(checkpoint) if n.endswith("modality_projection.proj.weight"))
     name, tensor = checkpoint[index]

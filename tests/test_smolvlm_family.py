@@ -16,7 +16,16 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy, make_image, to_hf_messages, user
-from tests.test_fast_numerics import compare_greedy_logprobs
+from tests.family_matrix import (
+    STRUCTURED_SCHEMA,
+    base_conversations,
+    exact_engine,
+    fast_agreement,
+    hf_references,
+    load_hf_model,
+    uncached_engine,
+    wide_image,
+)
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.testing.smolvlm_checkpoints import cached_smolvlm
 from vlm_engine.testing.videos import make_clip
@@ -26,22 +35,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 FPS = 2.0
 TILE_TOKENS = 16  # the tiny preset: 64-px tiles, 8-px patches, pixel shuffle by 2
 
-CONVERSATIONS = [
-    [{"role": "user", "content": "Tell me a story about a red fox."}],
-    user(make_image(64, 48, 1), "What is in this picture?"),
-    # 97x41 -> 3 x 2 tiles + the global image; 30x90 -> 1 x 3 + the global image
-    user("Compare these:", make_image(97, 41, 2), make_image(30, 90, 3), "Which is taller?"),
-    [
-        {"role": "system", "content": "You answer briefly."},
-        {
-            "role": "user",
-            "content": [{"type": "image", "image": make_image(50, 70, 4)}, {"type": "text", "text": "Hi"}],
-        },
-        {"role": "assistant", "content": "A picture of blocks."},
-        {"role": "user", "content": "Which colors?"},
-    ],
-    user(make_image(230, 57, 5), "A wide one."),
-]
+# text; one image; two odd images: 97x41 -> 3 x 2 tiles + the global image, 30x90 -> 1 x 3 + the global
+# image; multi-turn; a wide image
+CONVERSATIONS = [*base_conversations(second_image=(30, 90)), wide_image()]
 NAMES = ["text", "one-image", "two-odd-images", "multi-turn", "wide-image"]
 
 
@@ -52,20 +48,17 @@ def path() -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(path: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(str(path))
+    return load_hf_model(path)
 
 
 @pytest.fixture(scope="module")
 def references(hf_model: tuple[Any, Any]) -> list[list[int]]:
-    return [hf_greedy(hf_model, c, MAX_TOKENS) for c in CONVERSATIONS]
+    return hf_references(hf_model, CONVERSATIONS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def engine(path: Path) -> Engine:
-    return Engine(str(path), dtype="float32", kv_cache_tokens=8192, numerics="exact")
+    return exact_engine(path)
 
 
 def test_prompt_equals_hf_processor(engine: Engine, hf_model: tuple[Any, Any]) -> None:
@@ -103,7 +96,7 @@ def test_prefix_cache_on_equals_off(path: Path, engine: Engine, references: list
     first = engine.chat([conv], GREEDY)[0]
     again = engine.chat([conv], GREEDY)[0]
     assert again.cached_tokens >= again.prompt_tokens - engine.config.cache.page_size  # the tiles' KV reused
-    uncached = Engine(str(path), dtype="float32", kv_cache_tokens=2048, numerics="exact", enable_prefix_cache=False)
+    uncached = uncached_engine(path)
     off = uncached.chat([conv], GREEDY)[0]
     assert off.cached_tokens == 0
     assert first.token_ids == again.token_ids == off.token_ids == references[2]
@@ -203,21 +196,13 @@ def test_max_frames_caps_the_video(engine: Engine) -> None:
 
 
 def test_fast_numerics_agree_with_exact(path: Path, engine: Engine) -> None:
-    fast = Engine(str(path), dtype="float32", kv_cache_tokens=2048, numerics="fast")
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
-    convs = [CONVERSATIONS[2], CONVERSATIONS[3]]
-    agreed = [compare_greedy_logprobs(f, e) for f, e in zip(fast.chat(convs, params), engine.chat(convs, params))]
+    agreed = fast_agreement(path, engine, [CONVERSATIONS[2], CONVERSATIONS[3]], MAX_TOKENS)
     assert min(agreed) >= MAX_TOKENS // 2, agreed
 
 
 def test_structured_output_with_an_image(engine: Engine) -> None:
-    schema = {
-        "type": "object",
-        "properties": {"title": {"type": "string", "maxLength": 12}, "year": {"type": "integer"}},
-        "required": ["title", "year"],
-        "additionalProperties": False,
-    }
-    out = engine.chat([CONVERSATIONS[1]], SamplingParams(max_tokens=80, temperature=0.0, json_schema=schema))[0]
+    params = SamplingParams(max_tokens=80, temperature=0.0, json_schema=STRUCTURED_SCHEMA)
+    out = engine.chat([CONVERSATIONS[1]], params)[0]
     assert out.finish_reason == "stop"
     assert set(json.loads(out.text)) == {"title", "year"}
 
@@ -227,13 +212,8 @@ def test_structured_output_with_an_image(engine: Engine) -> None:
 
 def test_idefics3_matches_hf() -> None:
     """The same family serves Idefics3ForConditionalGeneration with Idefics3Processor (images only)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     path = cached_smolvlm("tiny-idefics3")
-    hf = (
-        AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval(),
-        AutoProcessor.from_pretrained(str(path)),
-    )
+    hf = load_hf_model(path)
     assert type(hf[0]).__name__ == "Idefics3ForConditionalGeneration"
     engine = Engine(str(path), dtype="float32", kv_cache_tokens=4096, numerics="exact")
     assert not engine.processor.accepts_videos

@@ -27,9 +27,10 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # Bump whenever a builder's output changes, so stale caches are never reused.
 BUILDER_VERSION = "1"
@@ -505,6 +506,38 @@ def _add_legacy_pixel_keys(path: Path, preset: Qwen2VLPreset) -> None:
         data["min_pixels"] = preset.min_pixels
         data["max_pixels"] = preset.max_pixels
         file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def start_checkpoint(
+    path: str | Path, build_tokenizer: Callable[[Path], Any], token_names: Iterable[str]
+) -> tuple[Path, Any, dict[str, int]]:
+    """The output directory (made), the tokenizer `build_tokenizer` stages in a temporary directory, and
+    the ids of `token_names`."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
+        tokenizer = build_tokenizer(Path(staging))
+    return out, tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in token_names}
+
+
+def save_random_model(
+    build: Callable[[Any], Any], dtype: str, init: Callable[[Any], None], out: Path, *, tie: bool, **generation: Any
+) -> None:
+    """`build(torch dtype)` on the meta device, materialized on the CPU, its embeddings tied if `tie`,
+    every parameter overwritten by `init` (our own seeded init: bytes independent of Transformers' init
+    order), saved in `dtype` with a greedy GenerationConfig of the `generation` token ids."""
+    import torch
+    from transformers import GenerationConfig
+
+    with torch.device("meta"):
+        model = build(getattr(torch, dtype))
+    model = model.to_empty(device="cpu")
+    if tie:
+        model.tie_weights()
+    init(model)
+    model.config.dtype = dtype
+    model.generation_config = GenerationConfig(do_sample=False, **generation)
+    model.save_pretrained(str(out), safe_serialization=True)
 
 
 def write_qwen2_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:

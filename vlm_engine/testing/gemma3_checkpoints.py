@@ -22,11 +22,16 @@ window 1024 on 5 layers of 6; SigLIP-so400m at 896 px, 27 layers; 256 tokens an 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlm_engine.testing.checkpoints import _drop_load_time_kwargs, _train_bpe_tokenizer, cached_checkpoint
+from vlm_engine.testing.checkpoints import (
+    _drop_load_time_kwargs,
+    _train_bpe_tokenizer,
+    cached_checkpoint,
+    save_random_model,
+    start_checkpoint,
+)
 
 # Gemma's own special tokens, added after the trained BPE vocabulary (and its Qwen-style specials,
 # which stay unused here). The real tokenizer has them at other ids; nothing reads those ids.
@@ -211,32 +216,21 @@ def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) 
 
 def write_gemma3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """A random-weight Gemma 3 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    import torch
-    from transformers import Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor, GenerationConfig
+    from transformers import Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
 
     spec = GEMMA3_PRESETS[preset]
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
-        tokenizer = _build_tokenizer(Path(staging))
-    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_SPECIAL_TOKENS}
+    out, tokenizer, token_ids = start_checkpoint(path, _build_tokenizer, GEMMA3_SPECIAL_TOKENS)
     config = gemma3_config(spec, token_ids, spec["vocab_size"] or len(tokenizer))
-    dtype = getattr(torch, spec["dtype"])
-    with torch.device("meta"):
-        model = Gemma3ForConditionalGeneration._from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:
-        model.tie_weights()
-    _init_deterministically(model, spec["std"], spec["norm_std"], seed)
-    model.config.dtype = spec["dtype"]
-    model.generation_config = GenerationConfig(
-        do_sample=False,
+    save_random_model(  # the model is freed on return, before the processor is written
+        lambda dtype: Gemma3ForConditionalGeneration._from_config(config, dtype=dtype),
+        spec["dtype"],
+        lambda model: _init_deterministically(model, spec["std"], spec["norm_std"], seed),
+        out,
+        tie=config.tie_word_embeddings,
         bos_token_id=token_ids["<bos>"],
         eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
         pad_token_id=token_ids["<pad>"],
     )
-    model.save_pretrained(str(out), safe_serialization=True)
-    del model
     side = spec["vision"]["image_size"]
     image_processor = Gemma3ImageProcessor(
         size={"height": side, "width": side}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]

@@ -15,7 +15,6 @@ the embedding and the tied LM head are ~0.3B parameters smaller than the real mo
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,8 @@ from vlm_engine.testing.checkpoints import (
     _build_qwen2_vl_tokenizer,
     _init_weights_deterministically,
     cached_checkpoint,
+    save_random_model,
+    start_checkpoint,
 )
 
 # A preset: text / vision config values, the processor's pixel budget, init std and the save dtype.
@@ -118,11 +119,7 @@ def _text_config(values: dict[str, Any], token_ids: dict[str, int], rope_theta: 
 
 def _start_checkpoint(path: str | Path) -> tuple[Path, Any, dict[str, int]]:
     """The output directory, the locally trained tokenizer and its special token ids."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
-        tokenizer = _build_qwen2_vl_tokenizer(Path(staging))
-    return out, tokenizer, {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL_TOKENS}
+    return start_checkpoint(path, _build_qwen2_vl_tokenizer, QWEN2_VL_SPECIAL_TOKENS)
 
 
 def _media_token_ids(token_ids: dict[str, int]) -> dict[str, int]:
@@ -185,24 +182,16 @@ def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
 def _save_model(model_class: Any, config: Any, preset: Preset, seed: int, token_ids: dict[str, int], out: Path) -> None:
     """Build on the meta device, materialize, overwrite every parameter from one seeded generator (our
     own init: bytes independent of Transformers' init order), save in the preset's dtype."""
-    import torch
-    from transformers import GenerationConfig
-
-    dtype = getattr(torch, preset["dtype"])
-    with torch.device("meta"):
-        model = model_class._from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
-    _init_weights_deterministically(model, preset["std"], seed)
-    model.config.dtype = preset["dtype"]
-    model.generation_config = GenerationConfig(
-        do_sample=False,
+    save_random_model(
+        lambda dtype: model_class._from_config(config, dtype=dtype),
+        preset["dtype"],
+        lambda model: _init_weights_deterministically(model, preset["std"], seed),
+        out,
+        tie=config.tie_word_embeddings,
         bos_token_id=token_ids["<|endoftext|>"],
         eos_token_id=token_ids["<|im_end|>"],
         pad_token_id=token_ids["<|endoftext|>"],
     )
-    model.save_pretrained(str(out), safe_serialization=True)
 
 
 def _size(pixels: tuple[int, int]) -> dict[str, int]:

@@ -22,7 +22,6 @@ the embedding and the untied LM head).
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,8 @@ from vlm_engine.testing.checkpoints import (
     _init_weights_deterministically,
     _train_bpe_tokenizer,
     cached_checkpoint,
+    save_random_model,
+    start_checkpoint,
 )
 
 # SmolVLM's added tokens, appended after the trained tokenizer's own specials (which include
@@ -184,33 +185,22 @@ def image_seq_len(preset: Preset) -> int:
 
 def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """A random-weight SmolVLM2 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
+    from transformers import AutoModelForImageTextToText
 
     spec = SMOLVLM_PRESETS[preset]
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vlm_tok_") as staging:
-        tokenizer = _build_tokenizer(Path(staging))
     names = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *SMOLVLM_SPECIAL_TOKENS)
-    token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in names}
+    out, tokenizer, token_ids = start_checkpoint(path, _build_tokenizer, names)
     config = smolvlm_config(spec, token_ids, len(tokenizer))
-
-    # Built on meta, materialized, every parameter overwritten from one seeded generator (bytes
-    # independent of Transformers' init order), saved in the preset's dtype.
-    dtype = getattr(torch, spec["dtype"])
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    model = model.to_empty(device="cpu")
-    _init_weights_deterministically(model, spec["std"], seed)
-    model.config.dtype = spec["dtype"]
-    model.generation_config = GenerationConfig(
-        do_sample=False,
+    save_random_model(
+        lambda dtype: AutoModelForImageTextToText.from_config(config, dtype=dtype),
+        spec["dtype"],
+        lambda model: _init_weights_deterministically(model, spec["std"], seed),
+        out,
+        tie=False,
         bos_token_id=token_ids["<|im_start|>"],
         eos_token_id=token_ids["<end_of_utterance>"],
         pad_token_id=token_ids["<|im_end|>"],
     )
-    model.save_pretrained(str(out), safe_serialization=True)
 
     _processor(spec, tokenizer).save_pretrained(str(out))
     return out
