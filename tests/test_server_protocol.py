@@ -87,7 +87,7 @@ def test_sse_chunks_escape_what_line_splitters_split_at() -> None:
     (httpx's iter_lines) would cut a chunk there, so the server escapes them."""
     import json
 
-    from vlm_engine.server.api import _sse
+    from vlm_engine.server.http_common import sse as _sse
 
     text = "a\u2028b\u2029c\x85d\x0be\u00e9"
     event = _sse({"content": text})

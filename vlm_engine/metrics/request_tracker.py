@@ -35,6 +35,7 @@ class RequestRecord:
     timing: ipc.RequestTiming | None = None  # the engine core's timestamps
     media_fetch_s: float | None = None  # downloading the prompt's http(s) media, in the API process
     output_token_ids: list[int] | None = None  # kept only when a sink wants token ids
+    api: str = ""  # the OpenAI API that asked: "chat_completions" | "completions" | "responses"
 
     @property
     def request_id(self) -> str:
@@ -61,8 +62,8 @@ class RequestTracker:
     keep_token_ids: bool = False  # the request log wants every output token id
     live: dict[str, RequestRecord] = field(default_factory=dict)
 
-    def start(self, engine_id: str, now: float | None = None) -> None:
-        record = RequestRecord(engine_id, time.monotonic() if now is None else now)
+    def start(self, engine_id: str, now: float | None = None, api: str = "") -> None:
+        record = RequestRecord(engine_id, time.monotonic() if now is None else now, api=api)
         if self.keep_token_ids:
             record.output_token_ids = []
         self.live[engine_id] = record

@@ -9,7 +9,6 @@ cancels the generator on disconnect; non-streaming handlers poll for it while th
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -27,55 +26,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlm_engine import ipc
 from vlm_engine.server import protocol as P
 from vlm_engine.server.apps import mount_app
-from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.engine_client import EngineClient, RequestHandle
-from vlm_engine.server.metrics import ServerMetrics
+from vlm_engine.server.engine_client import RequestHandle
+from vlm_engine.server.http_common import (
+    SSE_HEADERS,
+    RouteGuards,
+    ServerState,
+    error_response,
+    from_engine_error,
+    json_encoder,
+    sse,
+)
+from vlm_engine.server.tokenize_routes import add_tokenize_routes
 from vlm_engine.server.tool_parsers import ToolOutput
 
 logger = logging.getLogger(__name__)
 
-_json = msgspec.json.Encoder()
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _DONE = b"data: [DONE]\n\n"
 _STATIC = Path(__file__).parent / "static"  # the operator dashboard page
-
-
-@dataclass
-class ServerState:
-    config: ServerConfig
-    client: EngineClient
-    metrics: ServerMetrics | None = None  # set by the launcher (see server.metrics.observe_requests)
-    created: int = field(default_factory=P.now)
-    draining: bool = False
-    failure: str | None = None  # set when a child process died
-
-    @property
-    def healthy(self) -> bool:
-        return self.client.ready and not self.draining and self.failure is None
-
-
-# JSON lets U+0085, U+2028 and U+2029 stand raw in strings, and msgspec writes them raw, but many
-# SSE clients split lines with str.splitlines(), which breaks a chunk at them (httpx's iter_lines
-# does; a model's text can hold them). Escaped, the JSON means the same and every client reads it.
-_LINE_BREAKS_IN_JSON = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
-
-
-def _sse(obj: Any) -> bytes:
-    data = _json.encode(obj)
-    for raw, escaped in _LINE_BREAKS_IN_JSON:
-        if raw in data:
-            data = data.replace(raw, escaped)
-    return b"data: " + data + b"\n\n"
-
-
-def _error_response(
-    status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type, param, code), status_code=status)
-
-
-def _from_engine_error(err: ipc.RequestError) -> JSONResponse:
-    return _error_response(err.status, err.message, err.type, err.param, err.code)
 
 
 # How often a non-streaming handler checks that its client is still connected (cheap: a
@@ -149,10 +116,10 @@ class Generation:
                 return Response(status_code=499)
             if isinstance(first, ipc.RequestError):
                 self.abort()
-                return _from_engine_error(first)
+                return from_engine_error(first)
             if self.parsed.stream:
                 body = self._stream(first)
-                return StreamingResponse(body, media_type="text/event-stream", headers=_SSE_HEADERS)
+                return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
             return await self._collect(first)
         except BaseException:
             self.abort()
@@ -206,7 +173,7 @@ class Generation:
                 error = self._apply(queue.get_nowait())
             if error is not None:
                 self.abort()
-                return _from_engine_error(error)
+                return from_engine_error(error)
             if not self.unfinished:
                 break
             item = await self._next_or_disconnect()
@@ -243,7 +210,7 @@ class Generation:
                     choice["prompt_token_ids"] = self.handle.prompt_token_ids.get(i)
                     choice["token_ids"] = c.token_ids
             body = P.completion(self.request_id, self.created, self.model, choices, usage)
-        return Response(_json.encode(body), media_type="application/json")
+        return Response(json_encoder.encode(body), media_type="application/json")
 
     # ---- streaming -----------------------------------------------------------------------------
 
@@ -296,26 +263,26 @@ class Generation:
                 ]
                 if p.return_token_ids:  # as vLLM: the prompt's ids ride on the first chunk
                     chunks[0]["prompt_token_ids"] = self.handle.prompt_token_ids.get(0)
-                yield b"".join(_sse(chunk) for chunk in chunks)
+                yield b"".join(sse(chunk) for chunk in chunks)
             async for batch in self._batches(first):
                 merged, error = self._merge(batch)
                 # Skip deltas with nothing to show yet (text held back: partial stop string / UTF-8).
                 out = [
-                    _sse(chunk)
+                    sse(chunk)
                     for index, d in merged.items()
                     if d.text or d.finished or d.logprobs or (p.return_token_ids and d.token_ids)
                     for chunk in self._delta_chunks(index, d, with_usage)
                 ]
                 if error is not None:
                     self.abort()
-                    out.append(_sse(P.error_body(error.message, error.type, error.param, error.code)))
+                    out.append(sse(P.error_body(error.message, error.type, error.param, error.code)))
                     out.append(_DONE)
                     yield b"".join(out)
                     return
                 if out:
                     yield b"".join(out)
             if with_usage:
-                yield _sse(self._usage_chunk())
+                yield sse(self._usage_chunk())
             yield _DONE
         finally:
             self.abort()  # no-op when finished; a disconnect cancels us mid-stream
@@ -369,7 +336,6 @@ def build_app(state: ServerState) -> FastAPI:
     api, web, profile_dir = config.api, config.web, config.observability.profile_dir
     per_prompt = config.engine.media.limit_mm_per_prompt
     client = state.client
-    retry_later = {"Retry-After": str(api.retry_after_s)}  # on the 503s a client should retry
     app = FastAPI(title="vlm-engine", docs_url=None, redoc_url=None, openapi_url=None)
     if web.allowed_origins:
         app.add_middleware(
@@ -387,42 +353,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error_response(exc.status_code, str(exc.detail), code=None)
+        return error_response(exc.status_code, str(exc.detail), code=None)
 
-    def check_auth(request: Request) -> None:
-        if api.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api.api_key.encode()):
-            raise P.ApiError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
-
-    def check_serving() -> None:
-        if state.failure is not None:
-            raise P.ApiError(503, f"the server is failing: {state.failure}", type="server_error")
-        if state.draining:
-            raise P.ApiError(503, "the server is shutting down", type="server_error")
-        if not client.ready:
-            raise P.ApiError(
-                503,
-                "the model is still loading",
-                type="server_error",
-                headers=retry_later,
-            )
-
-    async def read_json(request: Request) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > api.max_request_bytes:
-            raise P.ApiError(413, f"the request body is larger than {api.max_request_bytes} bytes")
-        body = await request.body()
-        try:
-            return msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            raise P.ApiError(400, "the request body is not valid JSON") from None
-        except RecursionError:  # the decoder recurses per nesting level; ~1,000 levels exhaust it
-            raise P.ApiError(
-                400, f"the request body is nested too deeply (at most {P.MAX_JSON_DEPTH} levels)"
-            ) from None
+    guards = RouteGuards(state)
+    check_auth, check_serving, read_json = guards.auth, guards.serving, guards.read_json
+    retry_later = guards.retry_later
 
     async def generate(request: Request, kind: str) -> Response:
         check_auth(request)
@@ -458,6 +393,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, "completion")
+
+    add_tokenize_routes(app, state, guards)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -124,7 +124,7 @@ class EngineClient:
         handle = RequestHandle(request_id, ids)
         for rid in ids:
             self.routes[rid] = handle
-            self.tracker.start(rid)
+            self.tracker.start(rid, api=request.api)
         try:
             self._submit_prompts(handle, request)
         except BaseException:

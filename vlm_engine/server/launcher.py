@@ -38,9 +38,10 @@ import uvicorn
 
 from vlm_engine import ipc
 from vlm_engine.metrics.status_log import StatusLine
-from vlm_engine.server.api import ServerState, build_app
+from vlm_engine.server.api import build_app
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient
+from vlm_engine.server.http_common import ServerState
 from vlm_engine.server.media_fetch import MediaFetcher
 from vlm_engine.server.metrics import observe_requests
 from vlm_engine.server.procs import Child, ChildGroup, lower_priority, set_process_name, setup_logging

@@ -83,6 +83,7 @@ class GenerateRequest:
     tool_choice: ToolChoice = NO_TOOLS
     mm_processor_kwargs: dict[str, Any] | None = None  # video sampling (fps, max_frames) for the worker
     return_token_ids: bool = False  # vLLM's extension: prompt and output token ids in the response
+    api: str = "chat_completions"  # which API asked: "chat_completions" | "completions" | "responses" (metrics)
 
     @property
     def num_choices(self) -> int:
@@ -316,6 +317,7 @@ def parse_completion(body: Any, served_model: str, max_n: int) -> GenerateReques
         continuous_usage=continuous,
         logprobs=logprobs is not None,
         return_token_ids=_get(body, "return_token_ids", bool, False),
+        api="completions",
     )
 
 
