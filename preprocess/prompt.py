@@ -72,13 +72,15 @@ class PromptProcessor:
         mm_processor_kwargs: dict[str, Any] | None = None,
         media_deadline: float | None = None,
         max_prompt_tokens: int | None = None,
+        add_generation_prompt: bool = True,
     ) -> ProcessedPrompt:
         """`tools` (OpenAI's list) are rendered by the model's own chat template, as Transformers does.
         `mm_processor_kwargs` may set the video sampling (`fps`, `max_frames`) for every video part
         that does not set its own. `media_deadline` (time.monotonic()) bounds the time spent loading
         and decoding this request's media: checked before each part and between decoded frames.
         `max_prompt_tokens` (the context length) refuses a rendered prompt too long to fit before it
-        is tokenized (see `_check_length`)."""
+        is tokenized (see `_check_length`). `add_generation_prompt=False` renders the conversation
+        without the assistant turn's opening (vLLM's /tokenize option)."""
         self._media_deadline = media_deadline
         try:
             converted = self._convert_messages(messages, self._request_sampling(mm_processor_kwargs))
@@ -88,7 +90,7 @@ class PromptProcessor:
         extra = {"tools": tools} if tools else {}
         try:
             text = self.family.template_owner.apply_chat_template(
-                hf_messages, add_generation_prompt=True, tokenize=False, **extra
+                hf_messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         except Exception as exc:  # template errors are caused by the messages' shape
             raise PromptError(f"could not apply the chat template: {exc}", param="messages") from exc
@@ -96,11 +98,13 @@ class PromptProcessor:
         token_ids, media = self.family.expand(text, images, videos, self._timed)
         return self._finish(token_ids, media, text)
 
-    def from_text(self, text: str, max_prompt_tokens: int | None = None) -> ProcessedPrompt:
+    def from_text(
+        self, text: str, max_prompt_tokens: int | None = None, add_special_tokens: bool = True
+    ) -> ProcessedPrompt:
         if not text:
             raise PromptError("the prompt is empty", param="prompt")
         self._check_length(len(text), max_prompt_tokens, "prompt")
-        ids = self.tokenizer(text)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         return self._finish(list(ids), text=text)
 
     def from_token_ids(self, token_ids: list[int], max_prompt_tokens: int | None = None) -> ProcessedPrompt:
