@@ -8,7 +8,7 @@ the process that reads it, every writer connects a PUSH):
     api ──ProfileControl──> worker[i] ──ProfileDone──> api
     core ──CoreReady / EngineOutputs / ProfileDone──> detokenizer ──CoreReady / ApiOutputs / ProfileDone──> api
     detokenizer ──Abort(stopped=True)──> core   (a stop string ended the request)
-    worker ──WorkerReady / RequestError / PreprocessDone──> api
+    worker ──WorkerReady / RequestError / PreprocessDone / TokenizeResult──> api
 
 A message is one msgpack frame (a tagged `msgspec.Struct`) followed by zero or more raw frames:
 token ids, a family's rotary positions and pixel tensors go as numpy buffers, zero-copy on both ends, never
@@ -64,7 +64,12 @@ def frame_array(meta: TensorMeta, frames: list[Any]) -> np.ndarray:
 
 
 class PreprocessRequest(Message):
-    """One prompt to turn into engine requests; `n` choices share its preprocessing."""
+    """One prompt to turn into engine requests; `n` choices share its preprocessing.
+
+    With `purpose` "tokenize" (/tokenize: `prompt` text or chat `messages`) or "detokenize"
+    (/detokenize: `prompt` holds the ids) it is a job for the worker alone: answered with a
+    `TokenizeResult` (after its PreprocessDone, as always), nothing goes to the core.
+    """
 
     request_id: str  # the OpenAI request id; choices become f"{request_id}-{index}"
     first_index: int  # index of the first choice this prompt produces
@@ -80,6 +85,11 @@ class PreprocessRequest(Message):
     # be loaded and decoded: its media time budget, counted from its arrival (fetching included).
     media_deadline: float | None = None
     max_prompt_tokens: int | None = None  # the context length: a longer prompt is refused before tokenizing
+    purpose: str = "generate"  # "generate" | "tokenize" | "detokenize"
+    # tokenize only (vLLM's /tokenize options; the route sets each form's default):
+    add_generation_prompt: bool = True  # messages: end with the assistant turn's opening
+    add_special_tokens: bool = True  # the tokenizer's own special tokens (BOS...) around the text
+    return_token_strs: bool = False  # also answer the tokenizer's string for every id
 
 
 # ---- worker -> core --------------------------------------------------------------------------------
@@ -311,6 +321,16 @@ class PreprocessDone(Message):
     media: list[MediaTiming] = []
     media_hashes: list[str] = []  # content hashes (hex) of the prompt's images and videos
     prompt_token_ids: list[int] | None = None  # when the request asked (want_token_ids)
+    purpose: str = "generate"  # echoed: only a generation's preprocessing reaches the request metrics
+
+
+class TokenizeResult(Message):
+    """A worker's answer to a tokenize / detokenize job (sent after its PreprocessDone)."""
+
+    request_id: str  # the engine request id, f"{request_id}-0"
+    token_ids: list[int] = []  # tokenize: the prompt's ids, media placeholders included
+    token_strs: list[str] | None = None  # tokenize with return_token_strs: convert_ids_to_tokens
+    text: str | None = None  # detokenize: the ids' text, special tokens included (as vLLM answers)
 
 
 class ProfileDone(Message):
@@ -325,7 +345,7 @@ class ProfileDone(Message):
 
 CoreInbound = EngineRequest | Abort | ProfileControl
 DetokInbound = CoreReady | EngineOutputs | ProfileDone
-ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | RequestError | ProfileDone
+ApiInbound = CoreReady | ApiOutputs | WorkerReady | PreprocessDone | TokenizeResult | RequestError | ProfileDone
 WorkerInbound = PreprocessRequest | ProfileControl
 
 

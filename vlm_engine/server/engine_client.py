@@ -9,6 +9,10 @@ A prompt with http(s) media is first fetched here (`media_fetch`, one task per p
 when the request goes away) and reaches a worker with the bytes. The client remembers which
 worker holds which prompt until its `PreprocessDone`, so when a worker dies (the launcher restarts
 it) exactly the prompts it held get an error and nothing else is disturbed.
+
+A /tokenize or /detokenize job travels the same way (fetch, least-loaded worker, the worker's
+death fails it) but waits on a future in `jobs`, not in `routes`: it is no generation, so it counts
+neither as in flight nor as waiting, and the request tracker never sees it.
 """
 
 from __future__ import annotations
@@ -69,6 +73,8 @@ class EngineClient:
         self.media_time_budget_s = media_time_budget_s
         self.decoder = ipc.Decoder(ipc.ApiInbound)
         self.routes: dict[str, RequestHandle] = {}
+        # Tokenize / detokenize jobs by engine id ("{id}-0"): their TokenizeResult or RequestError.
+        self.jobs: dict[str, asyncio.Future] = {}
         self.core_info: ipc.CoreReady | None = None
         self.ready_workers: set[int] = set()
         self.workers_started = False  # every worker reported ready once (start-up is over)
@@ -134,10 +140,17 @@ class EngineClient:
             raise
         return handle
 
+    def _media_deadline(self) -> float | None:
+        return None if self.media_time_budget_s is None else time.monotonic() + self.media_time_budget_s
+
+    @property
+    def _max_prompt_tokens(self) -> int | None:
+        return self.core_info.max_model_len if self.core_info is not None else None
+
     def _submit_prompts(self, handle: RequestHandle, request: GenerateRequest) -> None:
         request_id, ids = handle.request_id, handle.engine_ids
         want_token_ids = request.return_token_ids or self.tracker.keep_token_ids
-        deadline = None if self.media_time_budget_s is None else time.monotonic() + self.media_time_budget_s
+        deadline = self._media_deadline()
         for p, prompt in enumerate(request.prompts):
             msg = ipc.PreprocessRequest(
                 request_id=request_id,
@@ -150,7 +163,7 @@ class EngineClient:
                 mm_processor_kwargs=request.mm_processor_kwargs,
                 want_token_ids=want_token_ids,
                 media_deadline=deadline,
-                max_prompt_tokens=self.core_info.max_model_len if self.core_info is not None else None,
+                max_prompt_tokens=self._max_prompt_tokens,
             )
             prompt_ids = ids[p * request.n : (p + 1) * request.n]
             if self.fetcher is not None and request.kind == "chat" and remote_parts(prompt):
@@ -182,8 +195,42 @@ class EngineClient:
                 self._route_error(ipc.RequestError(rid, 500, f"fetching media failed: {type(exc).__name__}"))
             return
         self.tracker.on_media_fetched(engine_ids, seconds)
-        if any(rid in self.routes for rid in engine_ids):  # not aborted meanwhile
+        if any(rid in self.routes or rid in self.jobs for rid in engine_ids):  # not aborted meanwhile
             self._send_to_worker(msg, engine_ids)
+
+    # ---- tokenize / detokenize jobs ------------------------------------------------------------
+
+    @property
+    def num_jobs(self) -> int:
+        """Tokenize / detokenize jobs not answered yet."""
+        return len(self.jobs)
+
+    async def run_job(self, msg: ipc.PreprocessRequest) -> ipc.TokenizeResult | ipc.RequestError:
+        """A tokenize / detokenize job (`msg.purpose`) through a worker, with the checks and the
+        media time budget a chat prompt gets; a prompt that certainly cannot fit the context is
+        still refused before it is tokenized (a worker held for seconds otherwise)."""
+        engine_id = f"{msg.request_id}-0"
+        msg.first_index, msg.n = 0, 1
+        msg.media_deadline = self._media_deadline()
+        msg.max_prompt_tokens = self._max_prompt_tokens
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.jobs[engine_id] = answer
+        fetch: asyncio.Task | None = None
+        try:
+            if self.fetcher is not None and msg.messages is not None and remote_parts(msg.messages):
+                fetch = asyncio.get_running_loop().create_task(self._fetch_then_send(msg, [engine_id]))
+            else:
+                self._send_to_worker(msg, [engine_id])
+            return await answer
+        finally:  # answered, failed or abandoned: a late answer finds nothing and is dropped
+            self.jobs.pop(engine_id, None)
+            if fetch is not None:
+                fetch.cancel()
+
+    def _answer_job(self, engine_id: str, answer: ipc.TokenizeResult | ipc.RequestError) -> None:
+        future = self.jobs.get(engine_id)
+        if future is not None and not future.done():
+            future.set_result(answer)
 
     def worker_died(self, worker: int) -> int:
         """A worker process is gone (the launcher restarts it): every prompt it held gets an error,
@@ -220,7 +267,9 @@ class EngineClient:
                 task.cancel()
 
     def fail_all(self, status: int, message: str, type: str = "server_error") -> None:
-        """Every in-flight request gets an error (a child died, or shutdown ran out of time)."""
+        """Every in-flight request and job gets an error (a child died, or shutdown ran out of time)."""
+        for engine_id in list(self.jobs):
+            self._answer_job(engine_id, ipc.RequestError(engine_id, status, message, type))
         ids = list(self.routes)
         for rid in ids:
             handle = self.routes.pop(rid)
@@ -279,12 +328,16 @@ class EngineClient:
         elif isinstance(msg, ipc.PreprocessDone):
             if 0 <= msg.worker < self.num_workers:
                 self.assigned[msg.worker].pop((msg.request_id, msg.first_index), None)
+            if msg.purpose != "generate":
+                return  # a tokenize job: no generation, so none of the request metrics
             self.tracker.on_preprocessed(msg)
             if msg.prompt_token_ids is not None:
                 handle = self.routes.get(f"{msg.request_id}-{msg.first_index}")
                 if handle is not None:
                     for i in range(msg.first_index, msg.first_index + msg.n):
                         handle.prompt_token_ids[i] = msg.prompt_token_ids
+        elif isinstance(msg, ipc.TokenizeResult):
+            self._answer_job(msg.request_id, msg)
         elif isinstance(msg, ipc.ProfileDone):
             if self._profile_answers is not None:
                 answers, done, expected = self._profile_answers
@@ -301,6 +354,9 @@ class EngineClient:
                 self.workers_started = True
 
     def _route_error(self, err: ipc.RequestError) -> None:
+        if err.request_id in self.jobs:
+            self._answer_job(err.request_id, err)
+            return
         self.tracker.on_error(err)
         handle = self.routes.pop(err.request_id, None)
         if handle is not None:

@@ -4,6 +4,10 @@ Chat template, tokenization, media fetch and decode, resize/normalize and conten
 happen here (through `preprocess.prompt.PromptProcessor`), off the API server's event loop and off
 the engine core. Pixel tensors, token ids and a family's positions leave as raw ZMQ frames.
 Client mistakes become a `RequestError` (HTTP 400) sent straight to the API server.
+
+/tokenize and /detokenize jobs run here too (the API process holds no tokenizer): a tokenize job
+goes through the very conversion a chat or completions prompt goes through, media included, so its
+count is the prompt a generation would run; its answer goes back to the API alone.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import zmq
 
+from preprocess.errors import PromptError
 from vlm_engine import ipc
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.metrics.profiler import TorchProfiler
@@ -116,10 +122,83 @@ class ConstraintChecker:
         return self._compiler
 
 
+class TokenizeJobs:
+    """Answers /tokenize and /detokenize (vLLM's semantics) with the worker's prompt processor."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self._vocab_end: int | None = None  # one past the largest id detokenize accepts
+        self._adds_special: bool | None = None  # the tokenizer puts special tokens around plain text
+
+    def answer(self, request: ipc.PreprocessRequest) -> ipc.TokenizeResult:
+        rid = f"{request.request_id}-{request.first_index}"
+        if request.purpose == "detokenize":
+            return ipc.TokenizeResult(rid, text=self.detokenize(list(request.prompt or [])))
+        ids = self.tokenize(request)
+        strs = list(self.tokenizer.convert_ids_to_tokens(ids)) if request.return_token_strs else None
+        return ipc.TokenizeResult(rid, token_ids=ids, token_strs=strs)
+
+    def tokenize(self, request: ipc.PreprocessRequest) -> list[int]:
+        if request.messages is not None:
+            return self._chat_ids(request)
+        text = request.prompt
+        if not isinstance(text, str):
+            raise PromptError("'prompt' must be a string", param="prompt")
+        special = request.add_special_tokens
+        # vLLM counts an empty prompt (its special tokens alone); from_text refuses one, as generation must.
+        if not text:
+            return list(self.tokenizer("", add_special_tokens=special)["input_ids"])
+        return list(self.processor.from_text(text, request.max_prompt_tokens, add_special_tokens=special).token_ids)
+
+    def _chat_ids(self, request: ipc.PreprocessRequest) -> list[int]:
+        """The prompt a chat completion with these messages runs (its usage.prompt_tokens is the count)."""
+        if request.add_special_tokens and self.adds_special_tokens:
+            # vLLM would add them on top of the rendered template; our chat prompt is the family's
+            # own rendering, so answering that would count a prompt no generation runs.
+            raise PromptError(
+                "'add_special_tokens' true is not supported with 'messages' for this model "
+                "(its chat template already writes the special tokens)",
+                param="add_special_tokens",
+            )
+        prompt = self.processor.from_messages(
+            request.messages,
+            tools=request.tools,
+            mm_processor_kwargs=request.mm_processor_kwargs,
+            media_deadline=request.media_deadline,
+            max_prompt_tokens=request.max_prompt_tokens,
+            add_generation_prompt=request.add_generation_prompt,
+        )
+        return list(prompt.token_ids)
+
+    def detokenize(self, ids: list[int]) -> str:
+        end = self.vocab_end
+        bad = next((t for t in ids if not 0 <= t < end), None)
+        if bad is not None:
+            # A fast tokenizer decodes an unknown id to nothing: a silent wrong answer, so refuse it.
+            raise PromptError(f"token id {bad} is outside the vocabulary (0..{end - 1})", param="tokens")
+        return self.tokenizer.decode(ids)
+
+    @property
+    def vocab_end(self) -> int:
+        """Ids the model can produce (its embedding rows) or the tokenizer knows (added tokens)."""
+        if self._vocab_end is None:
+            self._vocab_end = max(int(self.processor.vocab_size), len(self.tokenizer))
+        return self._vocab_end
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        if self._adds_special is None:
+            with_special = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+            self._adds_special = list(with_special) != list(self.tokenizer("a", add_special_tokens=False)["input_ids"])
+        return self._adds_special
+
+
 class PreprocessWorker:
     def __init__(self, processor: Any, paths: ipc.IpcPaths, index: int, checker: ConstraintChecker | None = None) -> None:
         self.processor = processor
         self.checker = checker or ConstraintChecker(processor)
+        self.jobs = TokenizeJobs(processor)
         self.index = index
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -161,22 +240,21 @@ class PreprocessWorker:
 
     def handle(self, request: ipc.PreprocessRequest) -> None:
         """Always answers the API with one PreprocessDone (its load balancing counts on it), sent
-        before the engine requests leave, so the API knows the prompt before its first token."""
+        before the engine requests leave, so the API knows the prompt before its first token. A
+        tokenize / detokenize job's TokenizeResult follows it, and nothing goes to the core."""
         ids = [f"{request.request_id}-{request.first_index + i}" for i in range(request.n)]
         t0 = time.perf_counter()
-        done = ipc.PreprocessDone(self.index, request.request_id, request.first_index, request.n)
-        try:
-            self.checker.check(request)
-            prompt = self.process(request)
-        except ValueError as exc:  # PromptError, MediaError, StructuredOutputError: the client's input
-            self._done(done, t0)
-            message, param = getattr(exc, "message", str(exc)), getattr(exc, "param", None)
-            self._fail(ids, 400, message, param, code=getattr(exc, "code", None))
+        done = ipc.PreprocessDone(
+            self.index, request.request_id, request.first_index, request.n, purpose=request.purpose
+        )
+        if request.purpose != "generate":
+            answer = self._attempt(request, ids, done, t0, self.jobs.answer)
+            if answer is not None:
+                self._done(done, t0)
+                self.to_api.send_multipart(ipc.encode(answer))
             return
-        except Exception as exc:
-            logger.exception("preprocessing failed for %s", request.request_id)
-            self._done(done, t0)
-            self._fail(ids, 500, f"preprocessing failed: {type(exc).__name__}", None, "server_error")
+        prompt = self._attempt(request, ids, done, t0, self._prepare)
+        if prompt is None:
             return
         done.media_hashes = [f"{m.span.content_hash:016x}" for m in prompt.media]
         if request.want_token_ids:
@@ -186,6 +264,31 @@ class PreprocessWorker:
             self.to_core.send_multipart(
                 encode_engine_request(rid, choice_sampling(request.sampling, i), prompt), copy=False
             )
+
+    def _prepare(self, request: ipc.PreprocessRequest) -> ProcessedPrompt:
+        self.checker.check(request)
+        return self.process(request)
+
+    def _attempt(
+        self,
+        request: ipc.PreprocessRequest,
+        ids: list[str],
+        done: ipc.PreprocessDone,
+        t0: float,
+        work: Callable[[ipc.PreprocessRequest], Any],
+    ) -> Any | None:
+        """`work(request)`, or None once a failure was answered (its PreprocessDone, then the error)."""
+        try:
+            return work(request)
+        except ValueError as exc:  # PromptError, MediaError, StructuredOutputError: the client's input
+            self._done(done, t0)
+            message, param = getattr(exc, "message", str(exc)), getattr(exc, "param", None)
+            self._fail(ids, 400, message, param, code=getattr(exc, "code", None))
+        except Exception as exc:
+            logger.exception("preprocessing failed for %s", request.request_id)
+            self._done(done, t0)
+            self._fail(ids, 500, f"preprocessing failed: {type(exc).__name__}", None, "server_error")
+        return None
 
     def _done(self, done: ipc.PreprocessDone, t0: float) -> None:
         done.seconds = time.perf_counter() - t0

@@ -1,11 +1,144 @@
-"""`POST /tokenize` and `POST /detokenize`, in vLLM's shapes (being written: see issue 40)."""
+"""`POST /tokenize` and `POST /detokenize`, in vLLM's shapes, so clients can budget the context.
+
+/tokenize takes a completion form `{"prompt": str, "add_special_tokens": true}` or a chat form
+`{"messages": [...], "add_generation_prompt": true, "add_special_tokens": false, "tools"?,
+"mm_processor_kwargs"?}`, either with `"return_token_strs"`, and answers `{"count", "max_model_len",
+"tokens", "token_strs"}`. /detokenize takes `{"tokens": [ids]}` and answers `{"prompt": text}`.
+
+The API process only checks the body: the work is a job for a preprocess worker (it holds the
+tokenizer), sent through `EngineClient.run_job` like a chat prompt (http(s) media fetched here
+first), so a messages body counts exactly the prompt a chat completion runs, media placeholders
+included.
+"""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from collections.abc import Callable
+from typing import Any
 
-from vlm_engine.server.http_common import RouteGuards, ServerState
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from vlm_engine import ipc
+from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.server import protocol as P
+from vlm_engine.server.http_common import RouteGuards, ServerState, from_engine_error, json_encoder
+
+_UNUSED_SAMPLING = SamplingParams()  # PreprocessRequest carries one; a job never samples
 
 
 def add_tokenize_routes(app: FastAPI, state: ServerState, guards: RouteGuards) -> None:
     """Register the routes on `app`."""
+    config, client = state.config, state.client
+    per_prompt = config.engine.media.limit_mm_per_prompt
+
+    async def run(request: Request, parse: Callable[[Any], ipc.PreprocessRequest]) -> ipc.TokenizeResult | Response:
+        guards.auth(request)
+        body = await guards.read_json(request)
+        guards.serving()
+        job = parse(body)
+        # Jobs are not generation requests (max_waiting_requests does not count them) but they
+        # hold workers all the same: the same bound keeps a flood of them from starving chat.
+        if client.num_jobs >= config.api.max_waiting_requests:
+            raise P.ApiError(
+                503,
+                "too many tokenize requests are waiting; try again later",
+                type="server_error",
+                code="server_overloaded",
+                headers=guards.retry_later,
+            )
+        answer = await client.run_job(job)
+        return from_engine_error(answer) if isinstance(answer, ipc.RequestError) else answer
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        answer = await run(
+            request, lambda body: parse_tokenize(body, config.model_name, per_prompt.image, per_prompt.video)
+        )
+        if isinstance(answer, Response):
+            return answer
+        assert client.core_info is not None  # serving() passed
+        body = {
+            "count": len(answer.token_ids),
+            "max_model_len": client.core_info.max_model_len,
+            "tokens": answer.token_ids,
+            "token_strs": answer.token_strs,
+        }
+        return Response(json_encoder.encode(body), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        answer = await run(request, lambda body: parse_detokenize(body, config.model_name))
+        if isinstance(answer, Response):
+            return answer
+        return Response(json_encoder.encode({"prompt": answer.text or ""}), media_type="application/json")
+
+
+# ---- request bodies ------------------------------------------------------------------------------
+
+
+def _check_body(body: Any, served_model: str) -> dict[str, Any]:
+    """A JSON object within the wire's limits, naming the served model or none (404 otherwise)."""
+    if not isinstance(body, dict):
+        raise P.ApiError(400, "the request body must be a JSON object")
+    P._check_json_limits(body)
+    model = body.get("model")
+    if model is not None and model != served_model:
+        raise P.ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return body
+
+
+def _job(purpose: str, **fields: Any) -> ipc.PreprocessRequest:
+    return ipc.PreprocessRequest(P.new_id(purpose), 0, 1, _UNUSED_SAMPLING, purpose=purpose, **fields)
+
+
+def parse_tokenize(body: Any, served_model: str, max_images: int, max_videos: int) -> ipc.PreprocessRequest:
+    body = _check_body(body, served_model)
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise P.ApiError(400, "give either 'prompt' or 'messages'", param="prompt" if has_prompt else "messages")
+    strs = P._get(body, "return_token_strs", bool, False)
+    if has_prompt:
+        prompt = P._get(body, "prompt", str)
+        special = P._get(body, "add_special_tokens", bool, True)
+        return _job("tokenize", prompt=prompt, add_special_tokens=special, return_token_strs=strs)
+    return _job("tokenize", return_token_strs=strs, **_chat_fields(body, max_images, max_videos))
+
+
+def _chat_fields(body: dict[str, Any], max_images: int, max_videos: int) -> dict[str, Any]:
+    """The chat form's fields, checked as /v1/chat/completions checks them (the worker checks the
+    messages themselves, as it does for chat)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise P.ApiError(400, "'messages' must be a non-empty array", param="messages")
+    for kinds, limit, noun in (
+        (("image_url", "image"), max_images, "images"),
+        (("video_url", "video"), max_videos, "videos"),
+    ):
+        count = P._count_parts(messages, kinds)
+        if count > limit:
+            raise P.ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
+    generation_prompt = P._get(body, "add_generation_prompt", bool, True)
+    if P._get(body, "continue_final_message", bool, False):
+        # The chat prompt a generation runs is never left open; counting one would budget a prompt
+        # no request here can send.
+        raise P.ApiError(400, "'continue_final_message' is not supported", param="continue_final_message")
+    tools, tool_choice = P._tools(body)  # as chat: tool_choice "none" renders no tools
+    return {
+        "messages": messages,
+        "tools": tools if tool_choice.mode != "none" else None,
+        "mm_processor_kwargs": P._get(body, "mm_processor_kwargs", dict),
+        "add_generation_prompt": generation_prompt,
+        "add_special_tokens": P._get(body, "add_special_tokens", bool, False),
+    }
+
+
+def parse_detokenize(body: Any, served_model: str) -> ipc.PreprocessRequest:
+    body = _check_body(body, served_model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise P.ApiError(400, "'tokens' must be an array of integers", param="tokens")
+    negative = next((t for t in tokens if t < 0), None)
+    if negative is not None:
+        raise P.ApiError(400, f"token id {negative} is outside the vocabulary", param="tokens")
+    return _job("detokenize", prompt=tokens)
