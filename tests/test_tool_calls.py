@@ -470,3 +470,25 @@ def test_server_accepts_a_tool_round_trip(client: openai.OpenAI) -> None:
     assert done.usage.prompt_tokens > first.usage.prompt_tokens + 10
     check_script_call(done.choices[0].message.tool_calls[0])
     assert done.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_server_responses_api_parses_auto_tool_calls(client: openai.OpenAI) -> None:
+    """The Responses API shares chat's tool parsing: the script becomes a function_call item, whole
+    and streamed (no `<tool_call>` text leaks into output_text events)."""
+    flat = [{"type": "function", **WEATHER["function"]}]
+    ask = {"model": "scripted", "input": "What is the weather in Paris?", "tools": flat, "max_output_tokens": 64,
+           "temperature": 0}  # fmt: skip
+    done = client.responses.create(**ask)
+    [call] = done.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and done.status == "completed"
+    assert call.name == "get_weather" and json.loads(call.arguments) == SCRIPT_ARGS
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert not [e for e in events if e.type == "response.output_text.delta"]
+    [streamed] = final.output
+    assert streamed.type == "function_call" and json.loads(streamed.arguments) == SCRIPT_ARGS
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["function_call"] and events[-1].type == "response.completed"

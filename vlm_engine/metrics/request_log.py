@@ -38,6 +38,7 @@ class RequestLog:
         return {
             "request_id": record.request_id,
             "choice": record.choice,
+            "api": record.api,
             "model": self.model_name,
             "replica": self.replica,
             "arrival": self._unix(record.arrival),

@@ -25,6 +25,7 @@ from vlm_engine.server.http_common import (
     ServerState,
     error_response,
 )
+from vlm_engine.server.responses import add_responses_routes
 from vlm_engine.server.tokenize_routes import add_tokenize_routes
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def build_app(state: ServerState) -> FastAPI:
         app.add_middleware(
             CORSMiddleware,
             allow_origins=list(web.allowed_origins),
-            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
     if web.app is not None:
@@ -58,7 +59,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     guards = RouteGuards(state)
     check_auth, check_serving, read_json = guards.auth, guards.serving, guards.read_json
-    retry_later = guards.retry_later
 
     async def generate(request: Request, kind: str) -> Response:
         check_auth(request)
@@ -76,14 +76,7 @@ def build_app(state: ServerState) -> FastAPI:
             )
         else:
             parsed = P.parse_completion(body, config.model_name, api.max_n)
-        if client.num_waiting + parsed.num_choices > api.max_waiting_requests:
-            raise P.ApiError(
-                503,
-                "too many requests are waiting; try again later",
-                type="server_error",
-                code="server_overloaded",
-                headers=retry_later,
-            )
+        guards.room_for(parsed.num_choices)
         request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
         return await Generation(state, request, parsed, request_id).respond()
 
@@ -96,6 +89,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await generate(request, "completion")
 
     add_tokenize_routes(app, state, guards)
+    add_responses_routes(app, state, guards)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -49,7 +49,20 @@ class ApiConfig:
         metadata=doc("how tool_choice=auto finds calls in the text (server.tool_parsers)", choices=_tool_parser_names),
     )
 
+    responses_store_entries: int = field(
+        default=1024, metadata=doc("responses kept for previous_response_id and GET /v1/responses/{id}", parse=positive_int)
+    )
+    responses_store_bytes: int = field(
+        default=256 * 1024 * 1024,
+        metadata=doc("bytes (as JSON, images included) the stored responses may hold; oldest out first", parse=positive_int),
+    )
+    responses_store_ttl_s: float = field(
+        default=3600.0, metadata=doc("seconds a stored response is kept", metavar="SECONDS")
+    )
+
     def __post_init__(self) -> None:
+        if self.responses_store_ttl_s <= 0:
+            raise ValueError("responses_store_ttl_s must be > 0")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
         if self.tool_call_parser not in _tool_parser_names():

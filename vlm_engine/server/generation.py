@@ -93,7 +93,7 @@ class Generation:
                 return Response(status_code=499)
             if isinstance(first, ipc.RequestError):
                 self.abort()
-                return from_engine_error(first)
+                return self._error(first)
             if self.parsed.stream:
                 body = self._stream(first)
                 return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
@@ -101,6 +101,10 @@ class Generation:
         except BaseException:
             self.abort()
             raise
+
+    def _error(self, err: ipc.RequestError) -> Response:
+        """The HTTP answer to an error that ends the request before its body was sent."""
+        return from_engine_error(err)
 
     async def _next_or_disconnect(self) -> Any | None:
         """The next result, or None once the client has disconnected. The connection is checked
@@ -150,7 +154,7 @@ class Generation:
                 error = self._apply(queue.get_nowait())
             if error is not None:
                 self.abort()
-                return from_engine_error(error)
+                return self._error(error)
             if not self.unfinished:
                 break
             item = await self._next_or_disconnect()

@@ -86,6 +86,17 @@ class RouteGuards:
         if not state.client.ready:
             raise P.ApiError(503, "the model is still loading", type="server_error", headers=self.retry_later)
 
+    def room_for(self, num_choices: int) -> None:
+        """503 when accepting `num_choices` more engine requests would overfill the waiting queue."""
+        if self.state.client.num_waiting + num_choices > self.state.config.api.max_waiting_requests:
+            raise P.ApiError(
+                503,
+                "too many requests are waiting; try again later",
+                type="server_error",
+                code="server_overloaded",
+                headers=self.retry_later,
+            )
+
     async def read_json(self, request: Request) -> Any:
         limit = self.state.config.api.max_request_bytes
         length = request.headers.get("content-length")

@@ -83,6 +83,12 @@ class ServerMetrics:
             (*LABELS, "finished_reason"),
             registry=self.registry,
         )
+        self.api_requests = Counter(
+            PREFIX + "api_requests",
+            "Finished engine requests by the API that asked (chat_completions, completions, responses), errors included",
+            (*LABELS, "api"),
+            registry=self.registry,
+        )
         self.errors = Counter(
             PREFIX + "request_errors",
             "Requests answered with an error, by HTTP status",
@@ -117,6 +123,7 @@ class ServerMetrics:
     def on_finished(self, record: RequestRecord) -> None:
         if record.media_fetch_s is not None:
             self.media.labels(*self.label_values, "url_fetch").observe(record.media_fetch_s)
+        self.api_requests.labels(*self.label_values, record.api or "unknown").inc()
         if record.error is not None:
             self.errors.labels(*self.label_values, str(record.error.status)).inc()
             return
