@@ -14,7 +14,7 @@ A message is one msgpack frame (a tagged `msgspec.Struct`) followed by zero or m
 token ids, a family's rotary positions and pixel tensors go as numpy buffers, zero-copy on both ends, never
 pickled. `TensorMeta.frame` says which extra frame holds a tensor.
 
-Ids: the API gives each OpenAI request an id (`chatcmpl-…`, `cmpl-…`); every choice of it is one
+Ids: the API gives each OpenAI request an id (`chatcmpl-…`, `cmpl-…`, `resp_…`); every choice of it is one
 engine request `"{id}-{index}"`. All messages below carry engine request ids.
 """
 
