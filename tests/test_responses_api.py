@@ -146,6 +146,9 @@ def test_tools_tool_choice_and_text_format_become_chat_fields() -> None:
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
         ({"input": "x", "top_logprobs": 30}, "top_logprobs", "between 0 and 20"),
         ({"input": "x", "model": "other"}, "model", "does not exist"),
+        ({"input": "x", "metadata": {"k": 1}}, "metadata", "string"),
+        ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
+        ({"input": "x", "user": 5}, "user", "string"),
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(body: dict[str, Any], param: str, words: str) -> None:
@@ -237,8 +240,13 @@ def test_tool_call_deltas_become_function_call_items_after_the_text() -> None:
 def test_a_response_with_no_text_still_has_its_message() -> None:
     items = OutputItems()
     events = items.finish("incomplete")
-    assert [e["type"] for e in events][0] == "response.output_item.added"
-    assert "response.output_text.delta" not in [e["type"] for e in events]
+    assert [e["type"] for e in events] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert items.output[0]["status"] == "incomplete" and items.output[0]["content"][0]["text"] == ""
 
 

@@ -111,6 +111,8 @@ def parse_responses(
     if truncation != "disabled":
         raise P.ApiError(400, "only 'truncation': 'disabled' is supported", param="truncation")
     instructions = P._get(body, "instructions", str)
+    _metadata(body.get("metadata"))
+    P._get(body, "user", str)
     messages: list[dict[str, Any]] = []
     origins_of: list[str] = []
     if instructions:
@@ -140,6 +142,19 @@ def parse_responses(
         echo=_echo(body, instructions, tools),
         store=store,
     )
+
+
+def _metadata(value: Any) -> None:
+    """OpenAI's bounds: at most 16 string values, keys up to 64 and values up to 512 characters."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or len(value) > 16:
+        raise P.ApiError(400, "'metadata' must be an object of at most 16 string values", param="metadata")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise P.ApiError(
+                400, "'metadata' keys are at most 64 characters and values strings of at most 512", param="metadata"
+            )
 
 
 def chat_body(body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
