@@ -52,11 +52,13 @@ class MediaLimits:
     # Encoded size cap: data URI payload, HTTP body, local file.
     max_image_bytes: int = 20 * 1024 * 1024
     max_video_bytes: int = 64 * 1024 * 1024
+    # Encoded size of one file part (a PDF: preprocess.pdf); its pages then count as images.
+    max_file_bytes: int = 32 * 1024 * 1024
     # width*height cap checked from the header before the full decode
     # (decompression-bomb guard).
     max_image_pixels: int = 40_000_000
-    # Per network operation *and* overall budget of one download: images, then videos (vLLM's
-    # defaults, 5 and 30 s).
+    # Per network operation *and* overall budget of one download: images, then videos and files
+    # (vLLM's defaults, 5 and 30 s; a file part can be as large as a video).
     fetch_timeout_s: float = 5.0
     video_fetch_timeout_s: float = 30.0
     max_redirects: int = 3
@@ -70,8 +72,8 @@ class MediaLimits:
     allowed_domains: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.max_image_bytes <= 0 or self.max_video_bytes <= 0:
-            raise ValueError("max_image_bytes and max_video_bytes must be positive")
+        if self.max_image_bytes <= 0 or self.max_video_bytes <= 0 or self.max_file_bytes <= 0:
+            raise ValueError("max_image_bytes, max_video_bytes and max_file_bytes must be positive")
         if self.max_image_pixels <= 0:
             raise ValueError("max_image_pixels must be positive")
         if self.fetch_timeout_s <= 0 or self.video_fetch_timeout_s <= 0:
@@ -88,10 +90,10 @@ class MediaLimits:
             raise ValueError("allowed_local_media_path must be None or a directory")
 
     def max_bytes(self, kind: str) -> int:
-        return self.max_video_bytes if kind == "video" else self.max_image_bytes
+        return {"video": self.max_video_bytes, "file": self.max_file_bytes}.get(kind, self.max_image_bytes)
 
     def timeout_s(self, kind: str) -> float:
-        return self.video_fetch_timeout_s if kind == "video" else self.fetch_timeout_s
+        return self.video_fetch_timeout_s if kind in ("video", "file") else self.fetch_timeout_s
 
 
 DEFAULT_LIMITS = MediaLimits()

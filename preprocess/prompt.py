@@ -20,6 +20,7 @@ from PIL import Image
 from preprocess.errors import MediaError, PromptError
 from preprocess.family_prompts import FamilyPrompts
 from preprocess.media import DEFAULT_LIMITS, MediaLimits, load_image, load_media_bytes
+from preprocess.pdf import PdfDocument, file_part_bytes
 from preprocess.video import DecodedVideo, FrameCache, VideoLimits, VideoSampling, load_video
 from vlm_engine.inputs import MediaInput, ProcessedPrompt, context_exceeded
 
@@ -208,8 +209,9 @@ class PromptProcessor:
                     f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content"
                 )
             parts = [
-                self._convert_part(part, f"messages[{i}].content[{j}]", images, videos, sampling)
+                converted_part
                 for j, part in enumerate(content)
+                for converted_part in self._convert_part(part, f"messages[{i}].content[{j}]", images, videos, sampling)
             ]
             if not self.family.content_parts:
                 # Text-only templates expect a string; parts are plain text here.
@@ -224,9 +226,23 @@ class PromptProcessor:
 
     def _convert_part(
         self, part: Any, where: str, images: list[Image.Image], videos: list[DecodedVideo], sampling: VideoSampling
-    ) -> dict[str, Any]:
+    ) -> list[dict[str, Any]]:
+        """One OpenAI content part -> its chat-template parts: one, or one image per page of a PDF."""
         if not isinstance(part, dict) or "type" not in part:
             raise PromptError(f"{where} must be an object with a type", param=where)
+        if part["type"] == "file":
+            pages = self._load_pdf_part(part, where, images)
+            return [self.family.media_part("image") for _ in range(pages)]
+        return [self._convert_single_part(part, where, images, videos, sampling)]
+
+    def _convert_single_part(
+        self,
+        part: dict[str, Any],
+        where: str,
+        images: list[Image.Image],
+        videos: list[DecodedVideo],
+        sampling: VideoSampling,
+    ) -> dict[str, Any]:
         kind = part["type"]
         if kind == "text":
             text = part.get("text")
@@ -253,6 +269,36 @@ class PromptProcessor:
             videos.append(self._load_video_part(part, kind, where, sampling, len(videos)))
             return self.family.media_part("video")
         raise PromptError(f"{where}: content part type {kind!r} is not supported", param=where)
+
+    def _load_pdf_part(self, part: dict[str, Any], where: str, images: list[Image.Image]) -> int:
+        """`{"type": "file", "file": {"file_data" | "file_url": ...}}`, a PDF: each page, rendered as the
+        batch CLI renders it (preprocess.pdf), is appended to `images` as one image. Returns the page count.
+        A hostile PDF is bounded by the file byte cap, the image limit (checked on the page count before
+        anything is rendered), the render scale (a page's longest side is 1288 pixels whatever it claims)
+        and the media time budget (checked between pages)."""
+        if not self.accepts_images:
+            raise PromptError("this model does not accept images (PDF pages are sent as images)", param=where)
+        self._check_budget(where)
+        try:
+            with self._timed("pdf_render"), PdfDocument(file_part_bytes(part.get("file"), self.limits)) as pdf:
+                self._check_page_count(pdf.pages, len(images), where)
+                for index in range(pdf.pages):
+                    self._check_budget(where)
+                    # Through the image loader, as the batch CLI's PNG pages go: same checks, same pixels.
+                    images.append(load_image(pdf.render(index), self.limits))
+        except MediaError as exc:
+            raise PromptError(f"{where}: {exc.message}", param=where) from exc
+        return pdf.pages
+
+    def _check_page_count(self, pages: int, loaded: int, where: str) -> None:
+        if pages == 0:
+            raise PromptError(f"{where}: the PDF has no pages", param=where)
+        if self.max_images is not None and loaded + pages > self.max_images:
+            raise PromptError(
+                f"{where}: the PDF has {pages} pages and each page is one image, but at most {self.max_images} "
+                f"images per prompt are allowed ({loaded} already used)",
+                param=where,
+            )
 
     def _load_video_part(
         self, part: dict[str, Any], kind: str, where: str, sampling: VideoSampling, loaded: int

@@ -1,10 +1,10 @@
 """Work items -> OpenAI chat request bodies: media as data URIs (the same body goes to the
-in-process engine or to a server), PDF pages rendered with pypdfium2."""
+in-process engine or to a server), PDF pages rendered by preprocess.pdf and sent as PNG images (one
+page per row needs per-page parts; a chat `file` part renders the same pixels)."""
 
 from __future__ import annotations
 
 import base64
-import io
 import mimetypes
 from typing import Any
 

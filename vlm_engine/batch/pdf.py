@@ -1,39 +1,29 @@
-"""PDF pages as images, rendered with pypdfium2 (imported on first use: only PDF inputs need it)."""
+"""PDF files as page images for the batch CLI, rendered by `preprocess.pdf` (the renderer chat `file`
+parts use too, so a page reads the same whether the CLI or a client sends the PDF)."""
 
 from __future__ import annotations
 
-import io
+from preprocess.pdf import PDF_LONGEST_SIDE, PdfDocument, PdfOpenError, page_png
 
-PDF_LONGEST_SIDE = 1288  # olmOCR's page size: enough for print-sized text
+__all__ = ["PDF_LONGEST_SIDE", "pdf_page_count", "render_pdf_pages"]
+
+
+def _open(path: str) -> PdfDocument:
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return PdfDocument(data)
+    except PdfOpenError as exc:
+        # The CLI's row error says "cannot open the PDF: <reason>" itself (inputs.py).
+        raise ValueError(exc.detail) from None
 
 
 def pdf_page_count(path: str) -> int:
-    import pypdfium2
-
-    with open(path, "rb") as f:
-        pdf = pypdfium2.PdfDocument(f.read())
-    try:
-        return len(pdf)
-    finally:
-        pdf.close()
+    with _open(path) as pdf:
+        return pdf.pages
 
 
 def render_pdf_pages(path: str, pages: list[int], longest_side: int = PDF_LONGEST_SIDE) -> list[bytes]:
     """PNG bytes of each page, scaled so its longest side is `longest_side` pixels."""
-    import pypdfium2
-
-    with open(path, "rb") as f:
-        pdf = pypdfium2.PdfDocument(f.read())
-    try:
-        out = []
-        for index in pages:
-            page = pdf[index]
-            width, height = page.get_size()  # PDF points
-            image = page.render(scale=longest_side / max(width, height, 1)).to_pil().convert("RGB")
-            buffer = io.BytesIO()
-            image.save(buffer, "PNG")
-            out.append(buffer.getvalue())
-            page.close()
-        return out
-    finally:
-        pdf.close()
+    with _open(path) as pdf:
+        return [page_png(pdf.render(index, longest_side)) for index in pages]

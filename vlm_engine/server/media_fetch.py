@@ -6,7 +6,8 @@ request queued behind it, for up to the fetch timeout. The API process is alread
 that waits on sockets, so downloads happen here, concurrently with everything else (as vLLM's
 frontend fetches media): a request whose URL stalls waits alone, under its own timeout and the
 request's media time budget. The worker then receives the fetched bytes in place of the URL and
-only decodes.
+only decodes. A `file` part's `file_url` (a PDF, preprocess/pdf.py) is fetched the same way, under
+the file byte cap.
 
 The same checks as before apply, because the same code fetches: `preprocess.media`'s async
 fetcher (http(s) only, every redirect hop resolved, checked and pinned, byte caps, per-kind
@@ -25,8 +26,13 @@ from typing import Any
 from preprocess.errors import MediaError
 from preprocess.media import MediaLimits, fetch_http_async, is_http_url
 
-# content part type -> (where its source sits, the media kind)
-_URL_PARTS = {"image_url": ("image_url", "image"), "video_url": ("video_url", "video")}
+# content part type -> (the part's field holding the source, the source's key when that field is an object, the
+# media kind). A file part's object is OpenAI's `{"file_url": ..., "filename": ...}`; its kind selects the byte cap.
+_URL_PARTS = {
+    "image_url": ("image_url", "url", "image"),
+    "video_url": ("video_url", "url", "video"),
+    "file": ("file", "file_url", "file"),
+}
 
 
 @dataclass(frozen=True)
@@ -35,7 +41,7 @@ class RemotePart:
 
     message: int
     part: int
-    kind: str  # "image" | "video"
+    kind: str  # "image" | "video" | "file"
     url: str
 
     @property
@@ -56,9 +62,10 @@ def remote_parts(messages: Any) -> list[RemotePart]:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str) or part["type"] not in _URL_PARTS:
                 continue  # malformed parts are the worker's to refuse, with the part named
-            field, kind = _URL_PARTS[part["type"]]
+            field, key, kind = _URL_PARTS[part["type"]]
             source = part.get(field)
-            url = source.get("url") if isinstance(source, dict) else source
+            # image_url / video_url may be a bare URL string; a file part's source is always an object.
+            url = source.get(key) if isinstance(source, dict) else source if key == "url" else None
             if isinstance(url, str) and is_http_url(url):
                 found.append(RemotePart(i, j, kind, url))
     return found
@@ -72,9 +79,9 @@ def with_fetched(messages: list[Any], fetched: dict[RemotePart, bytes]) -> list[
         message = dict(out[remote.message])
         content = list(message["content"])
         part = dict(content[remote.part])
-        field = _URL_PARTS[part["type"]][0]
+        field, key, _ = _URL_PARTS[part["type"]]
         source = part[field]
-        part[field] = {**source, "url": data} if isinstance(source, dict) else data
+        part[field] = {**source, key: data} if isinstance(source, dict) else data
         content[remote.part] = part
         message["content"] = content
         out[remote.message] = message
