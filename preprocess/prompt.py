@@ -295,8 +295,8 @@ class PromptProcessor:
             raise PromptError(f"{where}: the PDF has no pages", param=where)
         if self.max_images is not None and loaded + pages > self.max_images:
             raise PromptError(
-                f"{where}: the PDF has {pages} pages and each page is one image, but at most {self.max_images} "
-                f"images per prompt are allowed ({loaded} already used)",
+                f"{where}: the PDF has {pages} page{'s' if pages != 1 else ''} and each page is one image, "
+                f"but at most {self.max_images} images per prompt are allowed ({loaded} already used)",
                 param=where,
             )
 

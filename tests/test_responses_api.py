@@ -316,6 +316,31 @@ def test_images_equal_chat_completions(client: openai.OpenAI) -> None:
     assert one.usage.input_tokens < done.usage.input_tokens
 
 
+def pdf_data_url(*sizes: tuple[int, int]) -> str:
+    pages = [make_image(w, h, seed=i) for i, (w, h) in enumerate(sizes)]
+    buffer = io.BytesIO()
+    pages[0].save(buffer, "PDF", save_all=True, append_images=pages[1:], resolution=72)
+    return "data:application/pdf;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+@pytest.mark.timeout(300)
+def test_an_input_file_pdf_equals_the_chat_file_part(client: openai.OpenAI) -> None:
+    pdf = pdf_data_url((90, 60), (40, 70))
+    parts = [{"type": "input_file", "file_data": pdf, "filename": "two.pdf"}, {"type": "input_text", "text": "Sum up."}]
+    done = create(client, input=[{"role": "user", "content": parts}])
+    reference = chat(client, [{"role": "user", "content": [
+        {"type": "file", "file": {"file_data": pdf, "filename": "two.pdf"}}, {"type": "text", "text": "Sum up."}]}])
+    assert done.output_text == reference.choices[0].message.content
+    assert done.usage.input_tokens == reference.usage.prompt_tokens
+    one_page = create(client, input=[{"role": "user", "content": [
+        {"type": "input_file", "file_data": pdf_data_url((90, 60)), "filename": "one.pdf"}, parts[1]]}])
+    assert one_page.usage.input_tokens < done.usage.input_tokens  # the second page is there
+    with pytest.raises(openai.BadRequestError) as info:
+        create(client, input=[{"role": "user", "content": [
+            {"type": "input_file", "file_data": "data:application/pdf;base64," + base64.b64encode(b"no").decode()}]}])
+    assert info.value.body["param"] == "input[0].content[0]"
+
+
 @pytest.mark.timeout(300)
 def test_stream_events_in_order_and_deltas_join_to_the_text(client: openai.OpenAI) -> None:
     whole = create(client, input="Count with me.", store=False)

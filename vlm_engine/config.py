@@ -336,6 +336,9 @@ class MediaConfig:
     max_video_bytes: int = field(
         default=64 * 1024 * 1024, metadata=doc("encoded size of one video", parse=positive_int)
     )
+    max_file_bytes: int = field(
+        default=32 * 1024 * 1024, metadata=doc("encoded size of one file part (a PDF)", parse=positive_int)
+    )
     max_video_seconds: float = field(default=600.0, metadata=doc("longest video", parse=positive_float))
     max_video_pixels: int = field(
         default=256 * 1280 * 720,
@@ -404,6 +407,7 @@ class MediaConfig:
         return MediaLimits(
             max_image_bytes=self.max_image_bytes,
             max_video_bytes=self.max_video_bytes,
+            max_file_bytes=self.max_file_bytes,
             fetch_timeout_s=self.media_fetch_timeout_s,
             video_fetch_timeout_s=self.video_fetch_timeout_s,
             max_redirects=self.max_redirects,

@@ -305,7 +305,7 @@ class WorkerReady(Message):
 
 
 class MediaTiming(msgspec.Struct, array_like=True):
-    kind: str  # "image_decode" | "video_extraction" | "image_processor"
+    kind: str  # "image_decode" | "video_extraction" | "pdf_render" | "image_processor"
     seconds: float
 
 

@@ -72,7 +72,7 @@ class ServerMetrics:
         self.media = Histogram(
             PREFIX + "media_preprocess_seconds",
             "Media preprocessing by kind: url_fetch (downloads, in the API process), image_decode, "
-            "video_extraction, image_processor (resize/normalize)",
+            "video_extraction, pdf_render (PDF pages), image_processor (resize/normalize)",
             (*LABELS, "kind"),
             buckets=MEDIA_BUCKETS,
             registry=self.registry,
