@@ -190,7 +190,7 @@ def test_dashboard_metrics_are_exported(deployment: Deployment) -> None:
         assert 'model_name="tiny-vlm"' in sample and f'replica="{REPLICA}"' in sample, sample
     media = [s for s in engine if s.startswith("vlm_engine:media_preprocess_seconds_count{")]
     kinds = {re.search(r'kind="([a-z_]+)"', s).group(1) for s in media}
-    assert kinds and kinds <= {"image_decode", "video_extraction", "image_processor"}, kinds
+    assert kinds and kinds <= {"image_decode", "video_extraction", "pdf_render", "image_processor"}, kinds
 
 
 def scrape_config(target: str, tmp_path: Path) -> Path:

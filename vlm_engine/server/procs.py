@@ -56,12 +56,17 @@ def lower_priority(nice: int) -> None:
         pass
 
 
-def init_child(name: str, log_level: str, side: bool, nice: int = 10) -> None:
-    """First thing a child does: name, lifetime tied to the parent, signals, priority, threads."""
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Get `sig` when the parent process dies (Linux), and exit now if it already has."""
     parent = os.getppid()
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(_PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent or parent == 1:  # the parent died before the prctl took effect
         os._exit(1)
+
+
+def init_child(name: str, log_level: str, side: bool, nice: int = 10) -> None:
+    """First thing a child does: name, lifetime tied to the parent, signals, priority, threads."""
+    die_with_parent(signal.SIGKILL)
     set_process_name(name)
     multiprocessing.current_process().name = name
     signal.signal(signal.SIGINT, signal.SIG_IGN)
