@@ -8,6 +8,9 @@ Two sources, one registry owned by the API process:
 - the engine core's gauges, counters and per-step histograms, which the core sends whole
   (cumulative) with every result message: `_CoreCollector` exposes the latest copy, so counters
   stay exact across processes without prometheus_client's multiprocess files.
+
+The gauges of the Gateway API Inference Extension's model-server protocol are also exported under
+vLLM's names (`VLLM_ALIASES`), so that its endpoint picker reads them without configuration.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
-from vlm_engine import ipc
 from vlm_engine import histogram as H
+from vlm_engine import ipc
 from vlm_engine.metrics.request_tracker import RequestRecord
 
 disable_created_metrics()  # no `_created` series: dashboards never use them (vLLM does the same)
@@ -34,7 +38,8 @@ MEDIA_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 class ServerMetrics:
     def __init__(self, model_name: str, replica: str, core_stats: Callable[[], ipc.CoreStats],
-                 gauges: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+                 gauges: Callable[[], dict[str, float]],
+                 core_info: Callable[[], ipc.CoreReady | None] = lambda: None) -> None:  # fmt: skip
         self.registry = CollectorRegistry()
         self.label_values = (model_name, replica)
 
@@ -101,7 +106,7 @@ class ServerMetrics:
             LABELS,
             registry=self.registry,
         ).labels(*self.label_values)
-        self.registry.register(_CoreCollector(self.label_values, core_stats, gauges))
+        self.registry.register(_CoreCollector(self.label_values, core_stats, gauges, core_info))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -188,19 +193,41 @@ _CORE_HISTOGRAMS = [
 ]
 
 
+# The Gateway API Inference Extension (Kubernetes' inference gateway, llm-d) routes by scraping every
+# model server for the gauges of its model-server protocol (kubernetes-sigs/gateway-api-inference-extension,
+# docs/proposals/003-model-server-protocol): queued requests, running requests, KV cache utilization
+# (a fraction) and, optionally, the cache config (labels block_size and num_gpu_blocks). Its endpoint
+# picker (EPP) reads them by vLLM's names unless told otherwise, and how it is told changed between
+# releases (command-line flags, then per-engine `engineConfigs`, with the flags rejected). These few
+# gauges are therefore exported twice, under our name and vLLM's, with the same value and labels, so
+# that an unconfigured EPP works with every release. Nothing else is duplicated (deploy/README.md).
+VLLM_ALIASES = {
+    PREFIX + "num_requests_waiting": "vllm:num_requests_waiting",
+    PREFIX + "num_requests_running": "vllm:num_requests_running",
+    PREFIX + "kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    PREFIX + "cache_config_info": "vllm:cache_config_info",
+}
+
+
 class _CoreCollector(Collector):
     def __init__(self, label_values: tuple[str, str], core_stats: Callable[[], ipc.CoreStats],
-                 gauges: Callable[[], dict[str, float]]) -> None:  # fmt: skip
+                 gauges: Callable[[], dict[str, float]],
+                 core_info: Callable[[], ipc.CoreReady | None]) -> None:  # fmt: skip
         self.label_values = list(label_values)
         self.core_stats = core_stats
         self.gauges = gauges
+        self.core_info = core_info
 
     def collect(self) -> Iterator[Metric]:
         stats, labels = self.core_stats(), self.label_values
-        for name, doc, attr in _CORE_GAUGES:
-            yield self._gauge(name, doc, getattr(stats, attr))
+        core_gauges = [self._gauge(name, doc, getattr(stats, attr)) for name, doc, attr in _CORE_GAUGES]
         usage = stats.pages_used / stats.pages_total if stats.pages_total else 0.0
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", usage)
+        core_gauges.append(self._gauge("kv_cache_usage_perc", "Fraction of KV cache pages in use (0..1)", usage))
+        info = self.core_info()
+        if info is not None:  # known once the core reported ready; /metrics may be read before that
+            core_gauges.append(self._cache_config(info))
+        yield from core_gauges
+        yield from (_vllm_alias(family) for family in core_gauges if family.name in VLLM_ALIASES)
         for name, value in self.gauges().items():
             yield self._gauge(name, _API_GAUGE_HELP[name], value)
         for name, doc, attr in _CORE_COUNTERS:
@@ -217,6 +244,27 @@ class _CoreCollector(Collector):
         family = GaugeMetricFamily(PREFIX + name, doc, labels=LABELS)
         family.add_metric(self.label_values, value)
         return family
+
+    def _cache_config(self, info: ipc.CoreReady) -> GaugeMetricFamily:
+        """An info gauge (always 1) whose labels carry the KV cache layout, as vLLM's cache_config_info:
+        the EPP's prefix-cache scorer hashes prompts in blocks of `block_size` tokens (our KV page size),
+        and reads `num_gpu_blocks` (our KV pages, whatever the device) to size its index."""
+        family = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "KV cache layout in labels: block_size = tokens per KV page, num_gpu_blocks = KV pages in the pool",
+            labels=(*LABELS, "block_size", "num_gpu_blocks"),
+        )
+        family.add_metric([*self.label_values, str(info.page_size), str(info.num_pages)], 1)
+        return family
+
+
+def _vllm_alias(family: Metric) -> Metric:
+    """`family` under vLLM's name: same type, labels and values (see VLLM_ALIASES)."""
+    name = VLLM_ALIASES[family.name]
+    alias = Metric(name, f"{family.documentation} (= {family.name}, for the Gateway API Inference Extension)",
+                   family.type)  # fmt: skip
+    alias.samples = [Sample(name, s.labels, s.value, s.timestamp, s.exemplar) for s in family.samples]
+    return alias
 
 
 _API_GAUGE_HELP = {
@@ -248,6 +296,7 @@ def observe_requests(state: Any) -> ServerMetrics:
             "healthy": int(state.healthy),
             "preprocess_workers_ready": len(client.ready_workers),
         },
+        lambda: client.core_info,
     )
     if config.observability.log_stats:
         client.tracker.sinks.append(metrics)
