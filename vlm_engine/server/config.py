@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlm_engine.config import EngineConfig, FlatOptions, comma_list, doc, positive_int, text_or_none
+from vlm_engine.config import EngineConfig, FlatOptions, comma_list, doc, positive_float, positive_int, text_or_none
 
 
 def _app_names() -> list[str]:
@@ -146,6 +146,48 @@ class ProcessConfig:
             raise ValueError("preprocess_workers must be >= 1")
 
 
+_RAY_ROUTINGS = ("affinity", "round_robin", "pow2")
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """Scale-out on Ray Serve (vlm_engine.deploy): replicas of this whole server behind one endpoint."""
+
+    ray: bool = field(default=False, metadata=doc("serve replicas of this server on Ray Serve (the 'ray' extra)"))
+    ray_address: str | None = field(
+        default=None,
+        metadata=doc("the Ray cluster to join ('auto', ray://...; default: start a local one)", metavar="ADDRESS"),
+    )
+    ray_replicas: int = field(default=1, metadata=doc("replicas (the minimum when autoscaling)", parse=positive_int))
+    ray_max_replicas: int | None = field(
+        default=None,
+        metadata=doc("autoscale up to this many replicas on ongoing requests per replica", parse=positive_int),
+    )
+    ray_target_ongoing_requests: float = field(
+        default=16.0, metadata=doc("autoscaling's target of ongoing requests per replica", parse=positive_float)
+    )
+    ray_max_ongoing_requests: int = field(
+        default=256, metadata=doc("requests one replica may hold before Serve queues more", parse=positive_int)
+    )
+    ray_replica_cpus: float = field(
+        default=1.0, metadata=doc("CPUs Ray reserves for each replica", parse=positive_float)
+    )
+    ray_replica_gpus: float = field(
+        default=0.0, metadata=doc("GPUs Ray reserves for each replica (and makes visible to it)", metavar="X")
+    )
+    ray_routing: str = field(
+        default="affinity",
+        metadata=doc("how requests pick a replica: prefix + media cache affinity, round robin, or Serve's "
+                     "power of two choices", choices=_RAY_ROUTINGS),
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if self.ray_routing not in _RAY_ROUTINGS:
+            raise ValueError(f"ray_routing must be one of {_RAY_ROUTINGS}")
+        if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
+            raise ValueError("ray_max_replicas must be >= ray_replicas")
+
+
 @dataclass(frozen=True)
 class ServerConfig(FlatOptions):
     """`vlm-engine serve`'s whole configuration. `ServerConfig.from_flat(port=0, max_num_seqs=8)`
@@ -156,6 +198,7 @@ class ServerConfig(FlatOptions):
     web: WebConfig = field(default_factory=WebConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     process: ProcessConfig = field(default_factory=ProcessConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     @property
     def model_name(self) -> str:
