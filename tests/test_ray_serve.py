@@ -281,3 +281,38 @@ def test_a_killed_replica_costs_errors_not_hangs_and_comes_back(cluster: Cluster
     _wait(lambda: len(cluster.replicas()) == 2 and victim_id not in cluster.replicas(), 600)
     for i in range(4):
         chat(cluster.url, image_message(png_uri(300 + i)))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_one_command_demo_serves_and_stops(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    """`vlm-engine serve --ray` as a user runs it: a local cluster of its own, one replica, a chat
+    answered, SIGTERM: exit 0 and nothing of it left running."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vlm_engine.cli", "serve", "--ray", "--ray-replicas", "1", "--model", str(tiny_vlm_dir),
+           "--served-model-name", MODEL, "--port", str(port), "--dtype", "float32"]  # fmt: skip
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, 300)
+        assert chat(url, [{"role": "user", "content": "Hello"}], max_tokens=3)["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        # Everything it started shares its session: give stragglers a moment, then none may remain.
+        _wait(lambda: not [p for p in psutil.process_iter() if _session(p) == proc.pid], 60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _session(process: Any) -> int | None:
+    try:
+        return os.getsid(process.pid)
+    except (ProcessLookupError, PermissionError):
+        return None

@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -367,7 +368,8 @@ def app_builder(args: dict[str, Any]) -> Any:
 
 
 def serve_on_ray(config: ServerConfig) -> int:
-    """Run the application until SIGINT / SIGTERM (`vlm-engine serve --ray`)."""
+    """Run the application until SIGINT / SIGTERM (`vlm-engine serve --ray`), then stop it: the
+    replicas drain (their servers get SIGTERM), and a cluster this process started goes with it."""
     ray.init(address=config.ray.ray_address, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": config.api.host, "port": config.api.port})
     serve.run(build_application(config), name=APP_NAME, route_prefix="/")
@@ -377,7 +379,10 @@ def serve_on_ray(config: ServerConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.run_until_complete(stop.wait())
-    serve.delete(APP_NAME)
-    serve.shutdown()
+    logger.info("stopping the Serve application")
+    # Bounded: a cluster that lost its raylet (a signal to the whole process group) would hang it.
+    stopper = threading.Thread(target=serve.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(config.process.shutdown_timeout_s + 60.0)
     ray.shutdown()
     return 0
