@@ -92,6 +92,24 @@ def test_merged_metrics_keep_every_replica() -> None:
 # ---- on Ray ------------------------------------------------------------------------------------------
 
 
+def test_replica_options_autoscale_on_queue_depth_and_route_by_affinity() -> None:
+    pytest.importorskip("ray")
+    from vlm_engine.deploy.ray_serve import ROUTERS, replica_options
+    from vlm_engine.server.config import ServerConfig
+
+    fixed = replica_options(ServerConfig.from_flat(ray=True, ray_replicas=3, ray_replica_gpus=1.0))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    router = fixed["request_router_config"]
+    assert router.request_router_class == ROUTERS["affinity"]
+    assert router.request_router_kwargs == {"imbalanced_threshold": 16.0, "do_eviction": True}
+    scaled = replica_options(ServerConfig.from_flat(ray=True, ray_replicas=2, ray_max_replicas=6,
+                                                    ray_target_ongoing_requests=4, ray_routing="round_robin"))  # fmt: skip
+    auto = scaled["autoscaling_config"]
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (2, 6, 4)
+    assert "num_replicas" not in scaled and scaled["request_router_config"].request_router_kwargs == {}
+
+
 ray = pytest.importorskip("ray")
 
 

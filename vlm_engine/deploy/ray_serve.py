@@ -326,8 +326,8 @@ class Ingress:
         return response.text if response.status_code == 200 else None
 
 
-def build_application(config: ServerConfig) -> Any:
-    """The Serve application for `config` (its `ray` section: replicas, autoscaling, routing)."""
+def replica_options(config: ServerConfig) -> dict[str, Any]:
+    """The ServerReplica deployment's Serve options for `config`'s `ray` section."""
     r = config.ray
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": r.ray_replica_cpus, "num_gpus": r.ray_replica_gpus},
@@ -341,6 +341,7 @@ def build_application(config: ServerConfig) -> Any:
         ),
     }
     if r.ray_max_replicas is not None and r.ray_max_replicas > r.ray_replicas:
+        # Serve's autoscaling on the queue depth: ongoing requests per replica.
         options["autoscaling_config"] = AutoscalingConfig(
             min_replicas=r.ray_replicas,
             max_replicas=r.ray_max_replicas,
@@ -348,7 +349,12 @@ def build_application(config: ServerConfig) -> Any:
         )
     else:
         options["num_replicas"] = r.ray_replicas
-    replicas = serve.deployment(ServerReplica, name="ServerReplica", **options).bind(config)
+    return options
+
+
+def build_application(config: ServerConfig) -> Any:
+    """The Serve application for `config` (its `ray` section: replicas, autoscaling, routing)."""
+    replicas = serve.deployment(ServerReplica, name="ServerReplica", **replica_options(config)).bind(config)
     return serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(replicas)
 
 
