@@ -75,6 +75,12 @@ class ServerProcess:
     def base_url(self) -> str:
         return self.url + "/v1"
 
+    def openai_client(self, timeout: float = 120.0) -> Any:
+        """The official SDK pointed at this server, without retries (a test sees every failure)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key or "none", max_retries=0, timeout=timeout)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 

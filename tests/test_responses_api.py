@@ -267,7 +267,7 @@ def server(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> Any:

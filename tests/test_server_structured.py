@@ -37,7 +37,7 @@ def server(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    return server.openai_client(300.0)
 
 
 def post(server: ServerProcess, body: dict[str, Any], path: str = "/chat/completions") -> httpx.Response:

@@ -378,7 +378,7 @@ def server(scripted_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+    return server.openai_client()
 
 
 def create(client: openai.OpenAI, **kwargs: Any) -> Any:
