@@ -205,6 +205,15 @@ def add_batch_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="in-process model: fetch media only from these hosts",
     )
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help='run on a Ray cluster over Ray Data: its address, "auto", or "local" to start one here (pip install '
+        "vlm-engine[ray]); rows and resuming are as without it",
+    )
+    p.add_argument("--ray-actors", type=positive_int, default=1, help="with --ray: engine actors (each one model)")
+    p.add_argument("--ray-actor-cpus", type=positive_float, default=1.0, help="with --ray: CPUs each actor reserves")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_batch_command)
 
@@ -214,6 +223,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
 
     from vlm_engine.batch import BatchOptions, run_batch
 
+    if args.ray is not None and args.server:
+        print("--ray runs the model in Ray actors; it does not go with --server", file=sys.stderr)
+        return 2
     schema = None
     if args.schema:
         with open(args.schema, encoding="utf-8") as f:
@@ -240,6 +252,9 @@ def run_batch_command(args: argparse.Namespace) -> int:
         extra_body=json.loads(args.extra_body),
         allow_private_media_urls=args.allow_private_media_urls,
         allowed_media_domains=args.allowed_media_domains,
+        ray=args.ray,
+        ray_actors=args.ray_actors,
+        ray_actor_cpus=args.ray_actor_cpus,
     )
     summary = run_batch(options)
     print(summary.line(), file=sys.stderr)

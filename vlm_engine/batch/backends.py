@@ -1,8 +1,9 @@
 """Where batch requests run: the in-process `Engine` (fed as a stream, so the scheduler always has
 a full batch) or one or more OpenAI-compatible servers (work to the server with the fewest
-requests outstanding; a server that fails is rested and its work retried elsewhere).
+requests outstanding; a server that fails is rested and its work retried elsewhere); engines in
+Ray actors are a third (`ray_data.py`).
 
-Both take jobs (an item and its chat request body) and report one `Outcome` per attempt; whether
+All take jobs (an item and its chat request body) and report one `Outcome` per attempt; whether
 to try again is the caller's decision (`vlm_engine.batch.run`)."""
 
 from __future__ import annotations
@@ -14,9 +15,29 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from vlm_engine.batch.inputs import WorkItem
+from vlm_engine.batch.media import PDF_LONGEST_SIDE, request_body
+
+
+@dataclass(frozen=True)
+class BodyOptions:
+    """All that shapes an item's request body besides the item: plain values, so a Ray worker
+    builds byte for byte the body the local CLI builds (`ray_data.py`)."""
+
+    model: str
+    max_tokens: int = 512
+    temperature: float = 0.0
+    fps: float | None = None
+    max_frames: int | None = None
+    pdf_longest_side: int = PDF_LONGEST_SIDE
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every media request
+
+    def body(self, item: WorkItem) -> dict[str, Any]:
+        o = self
+        body = request_body(item, o.model, o.max_tokens, o.temperature, o.fps, o.max_frames, o.pdf_longest_side)
+        return body if item.kind == "openai" else {**body, **o.extra_body}
 
 
 @dataclass
@@ -47,6 +68,19 @@ class Outcome:
 
 
 Report = Callable[[Outcome], None]
+
+
+class Backend(Protocol):
+    """What `run.py` drives: jobs in, one `Outcome` per attempt out through `report`."""
+
+    report: Report
+    model_name: str
+
+    def submit(self, job: Job, avoid: str | None = None) -> None: ...
+
+    def run(self, more_expected: Callable[[], bool]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class EngineBackend:
@@ -101,12 +135,12 @@ class EngineBackend:
                     job, prompt, sampling = future.result()
                 except Exception as exc:  # noqa: BLE001 - every failure of one input is its row
                     job = future.job  # type: ignore[attr-defined]
-                    report(Outcome(job, error=_reason(exc), status=getattr(exc, "status", 400)))
+                    report(Outcome(job, error=failure_reason(exc), status=getattr(exc, "status", 400)))
                     continue
                 try:
                     request_id = engine.add_request(prompt, sampling)
                 except ValueError as exc:  # RequestRejected, StructuredOutputError: the input's fault
-                    report(Outcome(job, error=_reason(exc), status=400))
+                    report(Outcome(job, error=failure_reason(exc), status=400))
                     continue
                 running[request_id] = (job, prompt)
             if running:
@@ -205,7 +239,7 @@ class ServerBackend:
         try:
             body = job.body()
         except Exception as exc:  # noqa: BLE001 - an unreadable file is that input's error row
-            self._finish(Outcome(job, error=_reason(exc), status=400))
+            self._finish(Outcome(job, error=failure_reason(exc), status=400))
             return
         url = self._pick(avoid)
         outcome: Outcome
@@ -247,5 +281,5 @@ class ServerBackend:
         self.client.close()
 
 
-def _reason(exc: BaseException) -> str:
+def failure_reason(exc: BaseException) -> str:
     return getattr(exc, "message", None) or str(exc) or type(exc).__name__

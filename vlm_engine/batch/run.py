@@ -4,6 +4,8 @@ Retries: transient failures (a server down, 5xx, 429, timeouts) go again, with b
 another server where there is one; with `--schema`, an answer that does not parse and validate
 goes again with a higher temperature (olmOCR's rule; with constrained decoding it takes running
 out of `max_tokens` to get there). A bad input (an unreadable file, a 4xx) is an error row at once.
+The backend is the in-process engine, servers, or engines in Ray actors (`--ray`); this logic, the
+rows and resuming are the same for all three.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlm_engine.batch.backends import EngineBackend, Job, Outcome, ServerBackend
+from vlm_engine.batch.backends import Backend, BodyOptions, EngineBackend, Job, Outcome, ServerBackend
 from vlm_engine.batch.inputs import WorkItem, expand_inputs
-from vlm_engine.batch.media import PDF_LONGEST_SIDE, request_body
+from vlm_engine.batch.media import PDF_LONGEST_SIDE
 from vlm_engine.batch.rows import RowWriter
 
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -49,6 +51,11 @@ class BatchOptions:
     # reach loopback/private addresses (an intranet), or only these domains. Servers apply their own.
     allow_private_media_urls: bool = False
     allowed_media_domains: tuple[str, ...] | None = None
+    # Ray (`--ray`): a cluster address, "auto", or "local" to start one here; None runs without Ray.
+    # Each actor holds one in-process engine with `concurrency` requests in its scheduler.
+    ray: str | None = None
+    ray_actors: int = 1
+    ray_actor_cpus: float = 1.0
 
 
 @dataclass
@@ -60,7 +67,7 @@ class Summary:
     retries: int = 0
     completion_tokens: int = 0
     elapsed_s: float = 0.0
-    per_server: dict[str, int] = field(default_factory=dict)
+    per_server: dict[str, int] = field(default_factory=dict)  # rows (attempts) per server or Ray actor
 
     def line(self) -> str:
         rate = self.rows / self.elapsed_s if self.elapsed_s else 0.0
@@ -91,25 +98,37 @@ def _parse_answer(item: WorkItem, text: str) -> tuple[Any, str | None]:
 
 
 class BatchRun:
-    def __init__(self, options: BatchOptions, backend: EngineBackend | ServerBackend | None = None) -> None:
+    def __init__(self, options: BatchOptions, backend: Backend | None = None) -> None:
         self.o = options
         self._given_backend = backend  # built by the caller (e.g. to time the run without the model load)
         self.summary = Summary()
         self._lock = threading.Lock()
         self._waiting_retries = 0
 
-    def _backend(self) -> EngineBackend | ServerBackend:
+    def _backend(self) -> Backend:
         if self.o.servers:
             return ServerBackend(self.o.servers, self.o.concurrency, self.o.api_key)
         from vlm_engine.config import DEFAULT_MODEL
 
-        return EngineBackend(
-            self.o.model or DEFAULT_MODEL,
-            self.o.concurrency,
-            dtype=self.o.dtype,
-            allow_private_media_urls=self.o.allow_private_media_urls,
-            allowed_media_domains=self.o.allowed_media_domains,
-        )
+        model = self.o.model or DEFAULT_MODEL
+        engine_kwargs = {
+            "allow_private_media_urls": self.o.allow_private_media_urls,
+            "allowed_media_domains": self.o.allowed_media_domains,
+        }
+        if self.o.ray is not None:
+            # Imported only here: Ray is an optional extra, and the CLI without --ray never loads it.
+            from vlm_engine.batch.ray_data import RayBackend
+
+            return RayBackend(
+                self.o.ray,
+                self._body_options(model),
+                actors=self.o.ray_actors,
+                actor_cpus=self.o.ray_actor_cpus,
+                concurrency=self.o.concurrency,
+                dtype=self.o.dtype,
+                engine_kwargs=engine_kwargs,
+            )
+        return EngineBackend(model, self.o.concurrency, dtype=self.o.dtype, **engine_kwargs)
 
     def run(self) -> Summary:
         start = self._start = time.monotonic()
@@ -136,8 +155,7 @@ class BatchRun:
         finally:
             if self.backend is not None:
                 self.backend.close()
-                if isinstance(self.backend, ServerBackend):
-                    self.summary.per_server = dict(self.backend.sent)
+                self.summary.per_server = dict(getattr(self.backend, "sent", {}))
             self.writer.close()
             if self.bar is not None:
                 self.bar.close()
@@ -151,11 +169,13 @@ class BatchRun:
 
         return tqdm(total=total, unit="item", dynamic_ncols=True, file=sys.stderr)
 
+    def _body_options(self, model: str) -> BodyOptions:
+        o = self.o
+        return BodyOptions(model, o.max_tokens, o.temperature, o.fps, o.max_frames, o.pdf_longest_side, o.extra_body)
+
     def _build(self, job: Job) -> dict[str, Any]:
         model = self.backend.model_name if self.backend is not None else (self.o.model or "")
-        o = self.o
-        body = request_body(job.item, model, o.max_tokens, o.temperature, o.fps, o.max_frames, o.pdf_longest_side)
-        return body if job.item.kind == "openai" else {**body, **o.extra_body}
+        return self._body_options(model).body(job.item)
 
     # ---- one attempt's outcome ------------------------------------------------------------------
 
@@ -257,5 +277,5 @@ def _openai_row(item: WorkItem, outcome: Outcome) -> dict[str, Any]:
     return row
 
 
-def run_batch(options: BatchOptions, backend: EngineBackend | ServerBackend | None = None) -> Summary:
+def run_batch(options: BatchOptions, backend: Backend | None = None) -> Summary:
     return BatchRun(options, backend).run()
