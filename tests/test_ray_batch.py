@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,6 +118,7 @@ def ray_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     # raylet by minutes: Ray's behaviour, not ours; they are ended above and named here.
     if left:
         print(f"ended Ray processes left after the test: {names}")
+    shutil.rmtree(path, ignore_errors=True)
     assert not [n for n in names if n not in LINGERING_AGENTS], names
 
 
