@@ -149,13 +149,30 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stop)
 
 
-def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, int, bool, bool, bool]:
+def check_body(body: Any, served_model: str) -> dict[str, Any]:
+    """A JSON object within the wire's limits that names the served model or none (404 otherwise)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     _check_json_limits(body)
     model = body.get("model")
     if model is not None and model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+    return body
+
+
+def check_media_counts(messages: list[Any], max_images: int, max_videos: int) -> None:
+    """The per-prompt media limits, counted from the parts (a worker counts PDF pages)."""
+    for kinds, limit, noun in (
+        (("image_url", "image"), max_images, "images"),
+        (("video_url", "video"), max_videos, "videos"),
+    ):
+        count = _count_parts(messages, kinds)
+        if count > limit:
+            raise ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
+
+
+def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, int, bool, bool, bool]:
+    check_body(body, served_model)
     n = _get(body, "n", int, 1)
     if not 1 <= n <= max_n:
         raise ApiError(400, f"'n' must be between 1 and {max_n}, got {n}", param="n")
@@ -244,13 +261,7 @@ def parse_chat(
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    for kinds, limit, noun in (
-        (("image_url", "image"), max_images, "images"),
-        (("video_url", "video"), max_videos, "videos"),
-    ):
-        count = _count_parts(messages, kinds)
-        if count > limit:
-            raise ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
+    check_media_counts(messages, max_images, max_videos)
     mm_kwargs = _get(body, "mm_processor_kwargs", dict)
     want_logprobs = _get(body, "logprobs", bool, False)
     top = _get(body, "top_logprobs", int)

@@ -101,9 +101,7 @@ def parse_responses(
 ) -> ResponsesRequest:
     """Validate a `POST /v1/responses` body. `previous` is the stored conversation of
     `previous_response_id` (looked up by the caller, which answers 404 for an unknown id)."""
-    if not isinstance(body, dict):
-        raise P.ApiError(400, "the request body must be a JSON object")
-    P._check_json_limits(body)
+    P.check_body(body, served_model)
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise P.ApiError(400, why, param=name)

@@ -77,23 +77,12 @@ def add_tokenize_routes(app: FastAPI, state: ServerState, guards: RouteGuards) -
 # ---- request bodies ------------------------------------------------------------------------------
 
 
-def _check_body(body: Any, served_model: str) -> dict[str, Any]:
-    """A JSON object within the wire's limits, naming the served model or none (404 otherwise)."""
-    if not isinstance(body, dict):
-        raise P.ApiError(400, "the request body must be a JSON object")
-    P._check_json_limits(body)
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise P.ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-    return body
-
-
 def _job(purpose: str, **fields: Any) -> ipc.PreprocessRequest:
     return ipc.PreprocessRequest(P.new_id(purpose), 0, 1, _UNUSED_SAMPLING, purpose=purpose, **fields)
 
 
 def parse_tokenize(body: Any, served_model: str, max_images: int, max_videos: int) -> ipc.PreprocessRequest:
-    body = _check_body(body, served_model)
+    body = P.check_body(body, served_model)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise P.ApiError(400, "give either 'prompt' or 'messages'", param="prompt" if has_prompt else "messages")
@@ -111,13 +100,7 @@ def _chat_fields(body: dict[str, Any], max_images: int, max_videos: int) -> dict
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise P.ApiError(400, "'messages' must be a non-empty array", param="messages")
-    for kinds, limit, noun in (
-        (("image_url", "image"), max_images, "images"),
-        (("video_url", "video"), max_videos, "videos"),
-    ):
-        count = P._count_parts(messages, kinds)
-        if count > limit:
-            raise P.ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
+    P.check_media_counts(messages, max_images, max_videos)
     generation_prompt = P._get(body, "add_generation_prompt", bool, True)
     if P._get(body, "continue_final_message", bool, False):
         # The chat prompt a generation runs is never left open; counting one would budget a prompt
@@ -134,7 +117,7 @@ def _chat_fields(body: dict[str, Any], max_images: int, max_videos: int) -> dict
 
 
 def parse_detokenize(body: Any, served_model: str) -> ipc.PreprocessRequest:
-    body = _check_body(body, served_model)
+    body = P.check_body(body, served_model)
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise P.ApiError(400, "'tokens' must be an array of integers", param="tokens")
