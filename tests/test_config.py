@@ -38,7 +38,7 @@ def parse(*argv: str) -> ServerConfig:
 def test_option_names_are_unique_across_the_tree() -> None:
     names = [f.name for _, f in OPTIONS]
     assert len(names) == len(set(names)) > 60
-    assert {f.name for f in dataclasses.fields(ServerConfig)} == {"engine", "api", "web", "observability", "process"}
+    assert {f.name for f in dataclasses.fields(ServerConfig)} == {"engine", "api", "web", "observability", "process", "ray"}
 
 
 @pytest.mark.parametrize(("owner", "f"), OPTIONS, ids=[f.name for _, f in OPTIONS])
