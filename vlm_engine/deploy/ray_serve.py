@@ -1,8 +1,8 @@
 """`vlm-engine serve --ray`: N replicas of one model behind Ray Serve's HTTP proxy.
 
 The boundary: **each Serve replica runs the whole multi-process server** (`vlm-engine serve`: API,
-preprocess workers, engine core, detokenizer) as a child process on a loopback port, and forwards
-requests to it. Everything a single server does (streaming, the Responses store, metrics, media
+preprocess workers, engine core, detokenizer) as a child process on a port of its node's address,
+and forwards requests to it. Everything a single server does (streaming, the Responses store, metrics, media
 fetching, draining, worker restarts) works unchanged in a replica, and a replica fails as one
 server fails. The alternative, the engine core behind a Serve deployment, would move tokenization
 and media decoding into Serve's request path and re-implement our process split on Ray's; the
@@ -11,7 +11,7 @@ server's process split already keeps the core's step loop free of that work.
     client ⇄ Serve HTTP proxy ⇄ Ingress (FastAPI: the OpenAI routes, pins, /metrics of all replicas)
                                    │ DeploymentHandle, request router = MediaPrefixAffinityRouter
                                    ▼
-                       ServerReplica × N ── http://127.0.0.1:PORT ──> vlm-engine serve (child)
+                       ServerReplica × N ── http://NODE_IP:PORT ──> vlm-engine serve (child)
 
 Routing (`routing.py`, `ray_router.py`): Ray's prefix-affinity router with our key (text and
 media content hashes in prompt order); a Responses follow-up (`previous_response_id`, and GET /
@@ -72,9 +72,9 @@ _PINS_KEPT = 100_000  # response id -> replica, for follow-ups (oldest forgotten
 
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -108,10 +108,13 @@ class ServerReplica:
     def __init__(self, config: ServerConfig, startup_timeout_s: float = 900.0) -> None:
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.to_full_id_str()
-        port = free_port()
-        config = _with(config, api={"host": "127.0.0.1", "port": port},
+        # The node's address, not loopback: the ingress (possibly on another node) reads the
+        # server's /metrics and /health, and asks it for stored responses, directly.
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        config = _with(config, api={"host": host, "port": port},
                        observability={"replica_id": context.replica_id.unique_id})  # fmt: skip
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{host}:{port}"
         fd, path = tempfile.mkstemp(prefix="vlm-replica-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(config, f)
@@ -220,13 +223,14 @@ class Ingress:
         body = await request.body()
         parsed = _json_or_none(body) if request.method == "POST" else None
         query = f"?{request.url.query}" if request.url.query else ""
+        headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
         routed = RoutedRequest(
             method=request.method,
             path="/" + path + query,
             body=body,
-            headers={k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS},
+            headers=headers,
             routing_key=routing_key(parsed),
-            pinned_replica=await self._pin_for(path, parsed),
+            pinned_replica=await self._pin_for(path, parsed, headers),
         )
         for attempt in (0, 1):
             try:
@@ -281,7 +285,7 @@ class Ingress:
             while len(self.pins) > _PINS_KEPT:
                 self.pins.popitem(last=False)
 
-    async def _pin_for(self, path: str, body: Any) -> str | None:
+    async def _pin_for(self, path: str, body: Any, headers: dict[str, str]) -> str | None:
         response_id = None
         if path.startswith("v1/responses/"):
             response_id = path.removeprefix("v1/responses/").split("/", 1)[0]
@@ -290,15 +294,16 @@ class Ingress:
         if response_id is None:
             return None
         if response_id not in self.pins:
-            await self._find(response_id)
+            await self._find(response_id, headers)
         return self.pins.get(response_id)
 
-    async def _find(self, response_id: str) -> None:
-        """No pin (this ingress restarted, or the id is unknown): ask every replica."""
+    async def _find(self, response_id: str, headers: dict[str, str]) -> None:
+        """No pin (this ingress restarted, or the id is unknown): ask every replica, as the client."""
+        auth = {k: v for k, v in headers.items() if k == "authorization"}
         replicas = await self.directory.list.remote()
         for replica_id, entry in replicas.items():
             try:
-                if (await self.http.get(f"{entry['url']}/v1/responses/{response_id}")).status_code == 200:
+                if (await self.http.get(f"{entry['url']}/v1/responses/{response_id}", headers=auth)).status_code == 200:
                     self.pins[response_id] = replica_id
                     return
             except httpx.HTTPError:
