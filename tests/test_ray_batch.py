@@ -28,7 +28,7 @@ from vlm_engine.batch import BatchOptions, run_batch
 from vlm_engine.testing.videos import make_clip
 
 pytest.importorskip("ray.data")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 # Enums and a boolean: under constrained decoding the random model finishes a row in a few tokens.
 ROW_SCHEMA = {
@@ -210,7 +210,7 @@ def test_a_schema_failure_is_retried_hotter_in_a_later_round(
         progress=False,
         ray="auto",
     )
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         summary = run_batch(options)
         assert ray.is_initialized()

@@ -27,6 +27,9 @@ from vlm_engine.deploy.routing import RoutedRequest, key_of, media_hash, pinned_
 from vlm_engine.metrics.scrape import parse_metrics
 
 MODEL = "tiny-vlm"
+# A process of its own under make test: Ray's clusters, its memory monitor and its background
+# threads meet a fresh interpreter, not one that earlier modules' models have grown.
+pytestmark = pytest.mark.ray
 
 
 def png_uri(seed: int, size: tuple[int, int] = (48, 40)) -> str:
@@ -140,7 +143,8 @@ def cluster(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
     common = {"served_model_name": MODEL, "dtype": "float32", "side_process_nice": 0}
     alone = ServerProcess(tiny_vlm_dir, tmp_path_factory.mktemp("alone") / "server.log", "--served-model-name", MODEL)
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    # address="local": a cluster of its own, never one another test or process left running.
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     port = free_port()
     try:
         with running(alone):

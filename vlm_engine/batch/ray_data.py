@@ -254,7 +254,8 @@ def connect(address: str) -> bool:
         return False
     if address == "local":
         # A cluster of this machine only: nothing listens beyond loopback, no dashboard.
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+        # address="local": a new cluster, never one that happens to run on this machine already.
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True

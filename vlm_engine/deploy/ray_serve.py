@@ -381,7 +381,8 @@ def app_builder(args: dict[str, Any]) -> Any:
 def serve_on_ray(config: ServerConfig) -> int:
     """Run the application until SIGINT / SIGTERM (`vlm-engine serve --ray`), then stop it: the
     replicas drain (their servers get SIGTERM), and a cluster this process started goes with it."""
-    ray.init(address=config.ray.ray_address, include_dashboard=False, ignore_reinit_error=True)
+    # No address: a new local cluster ("local"), never one that happens to run here (that is "auto").
+    ray.init(address=config.ray.ray_address or "local", include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": config.api.host, "port": config.api.port})
     serve.run(build_application(config), name=APP_NAME, route_prefix="/")
     logger.info("serving on Ray at http://%s:%d", config.api.host, config.api.port)
