@@ -25,8 +25,8 @@ import httpx
 
 from vlm_engine.batch import BatchOptions, run_batch
 from vlm_engine.kernels.cpu_isa import cpu_flags
-from vlm_engine.testing.checkpoints import cached_qwen2_vl
-from vlm_engine.testing.videos import pattern
+from testkit.checkpoints import cached_qwen2_vl
+from testkit.videos import pattern
 
 TOKENS = 32
 PROMPT = "Describe this picture."

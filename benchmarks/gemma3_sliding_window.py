@@ -1,5 +1,5 @@
 """What Gemma 3's sliding-window layers save in the engine, on a Gemma-3-4B-shaped random checkpoint
-(`vlm_engine.testing.gemma3_checkpoints`, preset "bench-4b": 34 layers, 29 of them with a 1,024-token
+(`testkit.gemma3_checkpoints`, preset "bench-4b": 34 layers, 29 of them with a 1,024-token
 window, 5 global; 8 query / 4 KV heads of 256).
 
     .venv/bin/python benchmarks/gemma3_sliding_window.py                 # both parts, window on and off
@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/gemma3_sliding_window.json"))
     args = parser.parse_args()
     if args.checkpoint is None:
-        from vlm_engine.testing.gemma3_checkpoints import cached_gemma3
+        from testkit.gemma3_checkpoints import cached_gemma3
 
         args.checkpoint = cached_gemma3("bench-4b")
     rows = [run_mode(args.checkpoint, window, args) for window in (True, False)]

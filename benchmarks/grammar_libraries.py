@@ -1,7 +1,7 @@
 """Grammar libraries for structured output: llguidance vs xgrammar, on CPU.
 
 For each library and vocabulary: tokenizer-info build time; per schema of
-`vlm_engine.testing.json_schemas.SCHEMAS` the compile time (cold, and cached where the library
+`testkit.json_schemas.SCHEMAS` the compile time (cold, and cached where the library
 has a cache), coverage (compiled OK / example instance accepted end to end / invalid instances
 rejected), plus the regexes in REGEXES; the bitmask fill time per token while a matcher is driven
 through the tokens of a valid instance (median, p95); and the batched fill at batch 32 and 64
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
-from vlm_engine.testing.json_schemas import EXAMPLES, REGEXES, SCHEMAS
+from testkit.json_schemas import EXAMPLES, REGEXES, SCHEMAS
 
 MASK_SCHEMAS = ["nested_invoice", "image_description", "tool_call", "recursive_tree"]
 BATCH_SIZES = (32, 64)
@@ -126,7 +126,7 @@ def load_vocab(name: str, cache: dict[str, Any]) -> tuple[Any, int, int]:
     from transformers import AutoTokenizer
 
     if name in ("smollm2", "synthetic-151k") and "smollm2" not in cache:
-        from vlm_engine.testing.checkpoints import smollm2_gguf_path
+        from testkit.checkpoints import smollm2_gguf_path
 
         p = smollm2_gguf_path()
         cache["smollm2"] = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
@@ -134,7 +134,7 @@ def load_vocab(name: str, cache: dict[str, Any]) -> tuple[Any, int, int]:
         tok = cache["smollm2"]
         return tok, len(tok), tok.eos_token_id
     if name == "qwen2-tiny":
-        from vlm_engine.testing.checkpoints import cached_qwen2_vl
+        from testkit.checkpoints import cached_qwen2_vl
 
         tok = AutoTokenizer.from_pretrained(str(cached_qwen2_vl("tiny")))
         return tok, len(tok), tok.eos_token_id

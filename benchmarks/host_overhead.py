@@ -9,7 +9,7 @@ For each batch size B (1, 2, 4, ... --max-batch) it admits B requests, runs thei
 times decode steps split into: `scheduler.schedule()`, `runner.prepare_inputs()` (host-side input
 building, timed on its own), the forward (`runner.execute()` minus input building: embeddings,
 decoder, LM head, sampling), token application (`scheduler.update()`, grammar matchers) and output
-building (detokenisation). With `--schema NAME` (from vlm_engine.testing.json_schemas) every
+building (detokenisation). With `--schema NAME` (from testkit.json_schemas) every
 request is constrained by that JSON schema and two more columns appear: the grammar-mask time
 per step (built on a host thread while the forward runs) and the part of it the step waited for
 after the forward (the only part on the critical path). Writes JSON and a PNG (stacked time per
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     args.max_batch = max(sizes)
     schema = None
     if args.schema:
-        from vlm_engine.testing.json_schemas import SCHEMAS
+        from testkit.json_schemas import SCHEMAS
 
         schema = SCHEMAS[args.schema]
     engine = Engine(

@@ -4,7 +4,7 @@
 
 The converter itself is run unchanged (it comes from the llama.cpp tree the benchmark built,
 PEERS.md); two of its assumptions do not hold for checkpoints made by
-`vlm_engine.testing.checkpoints`, so they are widened in this process before it starts:
+`testkit.checkpoints`, so they are widened in this process before it starts:
 
 - it identifies a BPE pre-tokenizer by hashing how a known text tokenizes and refuses unknown
   hashes. Our Qwen2-VL tokenizer is trained locally (so its hash is new) but splits words with
@@ -13,7 +13,7 @@ PEERS.md); two of its assumptions do not hold for checkpoints made by
   is named `visual.merger.mlp.{0,2}` by block index: a 2-block test tower has no name for
   `mlp.2`. The map is built for at least 3 blocks (names only; no tensor is invented).
 
-Qwen2.5-VL (`vlm_engine.testing.qwen_vl_checkpoints`, "tiny" and "bench-3b") converts with these two alone,
+Qwen2.5-VL (`testkit.qwen_vl_checkpoints`, "tiny" and "bench-3b") converts with these two alone,
 text (`--outtype bf16`) and `--mmproj` (checked with llama-cpp-python 0.3.36's tree). Two things to know: the
 tree's Qwen2-VL/2.5-VL class tries `sentencepiece` before the BPE vocabulary and fails on the import if it is
 missing (the bench extra installs it); and the mmproj file has no window-size key, so llama.cpp's vision tower

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/qwen2_5_vl_vs_llamacpp.py --smoke          # 1 request per point, short
     .venv/bin/python benchmarks/qwen2_5_vl_vs_llamacpp.py --prepare-only   # checkpoint + GGUF files, no servers
 
-The checkpoint is `vlm_engine.testing.qwen_vl_checkpoints.write_qwen2_5_vl(DIR, "bench-3b")`: Qwen2.5-VL-3B-
+The checkpoint is `testkit.qwen_vl_checkpoints.write_qwen2_5_vl(DIR, "bench-3b")`: Qwen2.5-VL-3B-
 Instruct's config (36 x 2048 text layers, GQA 16:2, the 32-block window-attention vision tower) with random
 weights saved in bfloat16 and our small local tokenizer's vocabulary (2,048 tokens, so the tied embedding is
 ~4M parameters instead of ~311M). It is written once to --model-dir (default /tmp/q25vl-bench-3b).
@@ -259,7 +259,7 @@ def vm_hwm(pid: int) -> int:
 
 def ensure_checkpoint(model_dir: Path) -> Path:
     if not (model_dir / "config.json").exists():
-        from vlm_engine.testing.qwen_vl_checkpoints import write_qwen2_5_vl
+        from testkit.qwen_vl_checkpoints import write_qwen2_5_vl
 
         print(f"writing the bench-3b Qwen2.5-VL checkpoint to {model_dir} ...", flush=True)
         write_qwen2_5_vl(model_dir, preset="bench-3b", seed=0)

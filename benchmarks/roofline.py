@@ -443,7 +443,7 @@ def engine_decode_step(
 
 def resolve_model_dir(name: str) -> str:
     """`smollm2` / `qwen2-vl-bench` / `qwen2-vl-tiny` -> the cached checkpoint directory; else as is."""
-    from vlm_engine.testing.checkpoints import cached_qwen2_vl, cached_smollm2
+    from testkit.checkpoints import cached_qwen2_vl, cached_smollm2
 
     aliases = {
         "smollm2": cached_smollm2,

@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/smolvlm_vs_llamacpp.py --smoke          # 1 request per point, 16 tokens
     .venv/bin/python benchmarks/smolvlm_vs_llamacpp.py --prepare-only   # checkpoint + GGUF files, no servers
 
-The checkpoint is `vlm_engine.testing.smolvlm_checkpoints.write_smolvlm(DIR, "bench-500m")`: SmolVLM2-500M-Video-
+The checkpoint is `testkit.smolvlm_checkpoints.write_smolvlm(DIR, "bench-500m")`: SmolVLM2-500M-Video-
 Instruct's config (text: 32 x 960 Llama layers, 15 heads / 5 KV heads, MLP 2560, untied LM head; vision: 12 x 768
 SigLIP layers, 16-px patches on 512-px tiles, pixel shuffle by 4 = 64 tokens a tile) and its processor (longest
 edge resized to 2048, then split into 512-px tiles plus the global image), random weights saved in bf16, our small
@@ -44,7 +44,7 @@ SIDE_NAMES = ("ours", *(f"llama.cpp {t} + mmproj" for t in TEXT_TYPES))
 
 def ensure_checkpoint(model_dir: Path) -> Path:
     if not (model_dir / "config.json").exists():
-        from vlm_engine.testing.smolvlm_checkpoints import write_smolvlm
+        from testkit.smolvlm_checkpoints import write_smolvlm
 
         print(f"writing the bench-500m SmolVLM2 checkpoint to {model_dir} ...", flush=True)
         write_smolvlm(model_dir, preset="bench-500m", seed=0)

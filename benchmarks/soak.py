@@ -394,7 +394,7 @@ def main() -> int:
     else:
         from servers import ManagedServer, ServerSpec
 
-        from vlm_engine.testing.checkpoints import cached_qwen2_vl
+        from testkit.checkpoints import cached_qwen2_vl
 
         model = args.model or str(cached_qwen2_vl("tiny"))
         spec = ServerSpec("ours", model, dtype="float32", extra_args=("--served-model-name", "m"), kv_tokens=16384)

@@ -42,7 +42,7 @@ from PIL import Image
 
 from preprocess.video import FrameCache, VideoSampling, hf_indices, load_video
 from vlm_engine.kernels.cpu_isa import cpu_flags
-from vlm_engine.testing.videos import make_clip
+from testkit.videos import make_clip
 
 FPS = 2.0
 MAX_FRAMES = 32
@@ -71,7 +71,7 @@ def ping_pong_10s(data: bytes, gop: int) -> bytes:
     content (its P-frames cost what real motion costs) at the benchmark's length."""
     import av
 
-    from vlm_engine.testing.videos import encode_clip
+    from testkit.videos import encode_clip
 
     with av.open(io.BytesIO(data)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
@@ -160,7 +160,7 @@ def main() -> None:
 
     from transformers import AutoProcessor
 
-    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+    from testkit.checkpoints import cached_qwen2_vl
 
     tiny = cached_qwen2_vl("tiny")
     video_processor = AutoProcessor.from_pretrained(str(tiny)).video_processor

@@ -18,7 +18,7 @@ from PIL import Image
 
 @pytest.fixture(scope="session")
 def tiny_vlm_dir() -> Path:
-    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+    from testkit.checkpoints import cached_qwen2_vl
 
     return cached_qwen2_vl("tiny")
 

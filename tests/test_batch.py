@@ -21,8 +21,8 @@ from PIL import Image
 from tests.conftest import make_image
 from tests.server_helpers import REPO, ServerProcess, running
 from vlm_engine.batch import BatchOptions, run_batch
-from vlm_engine.testing.json_schemas import SCHEMAS
-from vlm_engine.testing.videos import make_clip
+from testkit.json_schemas import SCHEMAS
+from testkit.videos import make_clip
 
 pytestmark = pytest.mark.slow
 

@@ -667,7 +667,7 @@ def test_guidellm_report_is_read_from_its_successful_requests() -> None:
 def test_serve_bench_smoke_against_our_server(tmp_path: Path) -> None:
     import serve_bench
 
-    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+    from testkit.checkpoints import cached_qwen2_vl
 
     tiny = str(cached_qwen2_vl("tiny"))
     args = [
@@ -751,7 +751,7 @@ def test_served_dtype_is_what_our_auto_runs_on_this_cpu(tmp_path: Path, monkeypa
 def test_speculative_benchmark_quick(tmp_path: Path) -> None:
     import speculative
 
-    from vlm_engine.testing.checkpoints import cached_qwen2_vl
+    from testkit.checkpoints import cached_qwen2_vl
 
     assert speculative.main(["--quick", "--model", str(cached_qwen2_vl("tiny")), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())

@@ -1,4 +1,4 @@
-"""Tests for vlm_engine.testing.checkpoints (deterministic offline checkpoints)."""
+"""Tests for testkit.checkpoints (deterministic offline checkpoints)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlm_engine.testing import checkpoints as ckpt
+from testkit import checkpoints as ckpt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def test_tiny_build_is_deterministic_across_processes(tiny_dir: Path, tmp_path: 
     # A fresh interpreter with another hash seed: catches dict/set-order or Rust HashMap
     # randomness that a same-process rebuild could miss.
     out = tmp_path / "subprocess"
-    code = f"from vlm_engine.testing.checkpoints import write_qwen2_vl; write_qwen2_vl({str(out)!r})"
+    code = f"from testkit.checkpoints import write_qwen2_vl; write_qwen2_vl({str(out)!r})"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO_ROOT)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT, capture_output=True)
     assert _file_digests(out) == _file_digests(tiny_dir)

@@ -46,7 +46,7 @@ def test_fast_decode_is_the_tokenizers_decode(tiny_vlm_dir: Path) -> None:
     """The Rust backend's decode, taken where Transformers' wrapper adds nothing, gives the same text
     (special tokens kept or skipped); a tokenizer that cleans up spaces keeps its own decode."""
     from vlm_engine.detokenizer import fast_decode
-    from vlm_engine.testing.checkpoints import cached_smollm2
+    from testkit.checkpoints import cached_smollm2
 
     for tok in (tokenizer(tiny_vlm_dir), AutoTokenizer.from_pretrained(str(cached_smollm2()))):
         decode = fast_decode(tok)

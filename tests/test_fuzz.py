@@ -38,7 +38,7 @@ import pytest
 from tests.conftest import make_image
 from tests.kernel_builds import setup_missing
 from tests.server_helpers import ARTIFACTS, REPO, ServerProcess, running, sse_events
-from vlm_engine.testing.videos import audio_only_clip, make_clip, zero_frame_clip
+from testkit.videos import audio_only_clip, make_clip, zero_frame_clip
 
 pytestmark = pytest.mark.slow
 

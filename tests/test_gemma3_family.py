@@ -1,5 +1,5 @@
 """Gemma 3: greedy tokens from Engine equal Transformers' `generate` in exact fp32 on a tiny random
-checkpoint built from the real config classes (vlm_engine/testing/gemma3_checkpoints.py: a 32-token
+checkpoint built from the real config classes (testkit/gemma3_checkpoints.py: a 32-token
 sliding window on 3 of 5 layers, 16 tokens an image): text; one image; two images of odd sizes;
 multi-turn; prompts longer than the window with images on both sides of its edge; batched = alone;
 prefix cache on = off; preempted = not; prefill chunks whose budget ends inside an image; pan-and-scan
@@ -25,7 +25,7 @@ from tests.family_matrix import (
 )
 from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.testing.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
 
 MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

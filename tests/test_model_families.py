@@ -15,7 +15,7 @@ import torch
 from preprocess.family_prompts import FamilyPrompts
 from vlm_engine.models import registry
 from vlm_engine.models.family import ModelFamily, VLModel
-from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
+from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ["preprocess", "vlm_engine/scheduler", "vlm_engine/runner", "vlm_engine/server", "vlm_engine/speculative",
@@ -129,7 +129,7 @@ def test_a_text_draft_of_an_mrope_target_runs_on_plain_positions(tiny_vlm_dir: P
     from tests.conftest import make_image
     from vlm_engine import Engine, SamplingParams
     from vlm_engine.models.family import text_config_of
-    from vlm_engine.testing.drafts import write_random_llama
+    from testkit.drafts import write_random_llama
 
     config = registry.load_config(registry.resolve_model(str(tiny_vlm_dir)))
     draft = write_random_llama(tmp_path / "draft", vocab_size=int(text_config_of(config).vocab_size), seed=1)

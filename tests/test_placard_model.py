@@ -106,7 +106,7 @@ def test_the_prefix_cache_reuses_only_the_same_image(engine: Engine) -> None:
 
 
 def test_a_video_of_the_cat_is_about_a_cat(engine: Engine) -> None:
-    from vlm_engine.testing.videos import make_clip
+    from testkit.videos import make_clip
 
     # A 3 s clip panning across the cat photo; every sampled frame is labelled with its time.
     clip = make_clip(width=320, height=240, fps=10, seconds=3, picture=photo("chelsea"))

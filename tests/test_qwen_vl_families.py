@@ -27,8 +27,8 @@ from tests.family_matrix import (
     wide_image,
 )
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
-from vlm_engine.testing.videos import make_clip
+from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
+from testkit.videos import make_clip
 
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

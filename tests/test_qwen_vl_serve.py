@@ -15,8 +15,8 @@ import pytest
 from tests.conftest import make_image
 from tests.server_helpers import ServerProcess, running
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.testing.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
-from vlm_engine.testing.videos import make_clip
+from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
+from testkit.videos import make_clip
 
 CHECKPOINTS = {"qwen2.5-vl": lambda: cached_qwen2_5_vl("tiny"), "qwen3-vl": lambda: cached_qwen3_vl("tiny")}
 

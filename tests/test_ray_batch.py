@@ -25,7 +25,7 @@ from PIL import Image
 from tests.conftest import make_image
 from tests.server_helpers import REPO
 from vlm_engine.batch import BatchOptions, run_batch
-from vlm_engine.testing.videos import make_clip
+from testkit.videos import make_clip
 
 pytest.importorskip("ray.data")
 pytestmark = [pytest.mark.slow, pytest.mark.ray]

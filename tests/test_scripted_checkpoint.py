@@ -1,4 +1,4 @@
-"""Tests for vlm_engine.testing.scripted: a hand-weighted Qwen2 that greedily emits a tool call."""
+"""Tests for testkit.scripted: a hand-weighted Qwen2 that greedily emits a tool call."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest
 import torch
 
-from vlm_engine.testing import scripted
-from vlm_engine.testing.checkpoints import COMPLETE_MARKER
-from vlm_engine.testing.scripted import TOOL_CALL_SCRIPT, cached_scripted_qwen2, tool_call_script, write_scripted_qwen2
+from testkit import scripted
+from testkit.checkpoints import COMPLETE_MARKER
+from testkit.scripted import TOOL_CALL_SCRIPT, cached_scripted_qwen2, tool_call_script, write_scripted_qwen2
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER_TOOL = {

@@ -17,7 +17,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.server_helpers import ServerProcess, running, sse_events
-from vlm_engine.testing.json_schemas import CHOICES, REGEXES, SCHEMAS, TIME_TOOL, WEATHER_TOOL
+from testkit.json_schemas import CHOICES, REGEXES, SCHEMAS, TIME_TOOL, WEATHER_TOOL
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from tests.server_helpers import ServerProcess, running
-from vlm_engine.testing.videos import audio_only_clip, encode_clip, make_clip, unknown_codec_clip, zero_frame_clip
+from testkit.videos import audio_only_clip, encode_clip, make_clip, unknown_codec_clip, zero_frame_clip
 
 pytestmark = pytest.mark.slow
 

@@ -27,8 +27,8 @@ from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.scheduler import Request, Scheduler, SchedulerConfig
 from vlm_engine.speculative.ngram import ngram_lookup
 from vlm_engine.runner.verify import verify_greedy, verify_sampled
-from vlm_engine.testing.checkpoints import cached_checkpoint
-from vlm_engine.testing.drafts import BIGRAM_TOKENS, bigram_distribution, write_bigram_qwen2, write_random_llama
+from testkit.checkpoints import cached_checkpoint
+from testkit.drafts import BIGRAM_TOKENS, bigram_distribution, write_bigram_qwen2, write_random_llama
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # fp32 everywhere: its linears give a row the same result whatever the batch (bf16, the 'auto'

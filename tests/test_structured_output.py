@@ -23,7 +23,7 @@ from vlm_engine.structured.spec import (
     from_response_format,
     from_structured_outputs,
 )
-from vlm_engine.testing.json_schemas import CHOICES, EXAMPLES, REGEXES, SCHEMAS
+from testkit.json_schemas import CHOICES, EXAMPLES, REGEXES, SCHEMAS
 
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 # jsonschema checks "date-time" only with an optional package; RFC 3339 section 5.6, by hand.

@@ -19,8 +19,8 @@ from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.server.tool_parsers import HermesToolParser, ToolCall, ToolOutput, finish_reason_with_calls
 from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError
 from vlm_engine.structured.tools import ToolChoice, calls_schema, resolve_tool_choice, validate_tools
-from vlm_engine.testing.json_schemas import TIME_TOOL, WEATHER_TOOL
-from vlm_engine.testing.scripted import TOOL_CALL_SCRIPT, cached_scripted_qwen2, tool_call_script
+from testkit.json_schemas import TIME_TOOL, WEATHER_TOOL
+from testkit.scripted import TOOL_CALL_SCRIPT, cached_scripted_qwen2, tool_call_script
 
 WEATHER, TIME = WEATHER_TOOL, TIME_TOOL
 SCRIPT_ARGS = {"city": "Paris", "unit": "celsius"}

@@ -17,7 +17,7 @@ from preprocess.errors import MediaError
 from preprocess.video import FrameCache, VideoLimits, VideoSampling, decode_frames, hf_indices, load_video, probe
 from tests.conftest import make_image
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.testing.videos import encode_clip, make_clip, pan_frames, pattern
+from testkit.videos import encode_clip, make_clip, pan_frames, pattern
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)

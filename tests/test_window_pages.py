@@ -180,7 +180,7 @@ def test_gemma3_engine_gives_back_the_window_layers_pages() -> None:
     """Tiny Gemma 3 (3 of 5 layers with a 32-token window): after a 300-token prefill in 64-token
     chunks the window layers hold about one window of pages; with every layer attending fully, all."""
     from vlm_engine import Engine
-    from vlm_engine.testing.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+    from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
 
     window = GEMMA3_PRESETS["tiny"]["text"]["sliding_window"]
     prompt = [random.Random(5).randrange(300, 900) for _ in range(300)]

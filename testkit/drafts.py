@@ -53,8 +53,8 @@ def write_bigram_qwen2(path: str | Path, logits: list[list[float]]) -> Path:
     len(BIGRAM_TOKENS) values."""
     import torch
 
-    from vlm_engine.testing.checkpoints import _build_qwen2_vl_tokenizer
-    from vlm_engine.testing.scripted import save_embedding_only_qwen2
+    from testkit.checkpoints import _build_qwen2_vl_tokenizer
+    from testkit.scripted import save_embedding_only_qwen2
 
     m = len(BIGRAM_TOKENS)
     if len(logits) != m + 1 or any(len(row) != m for row in logits):

@@ -1,7 +1,7 @@
 """Deterministic, offline Gemma 3 checkpoints for tests and benchmarks.
 
 Random weights from the real Transformers config classes (`Gemma3Config` over `Gemma3TextConfig` and
-`SiglipVisionConfig`), the byte-level BPE trained in-process by `vlm_engine.testing.checkpoints` with
+`SiglipVisionConfig`), the byte-level BPE trained in-process by `testkit.checkpoints` with
 Gemma's special tokens added (the processor reads its begin/end-of-image and image tokens from the
 tokenizer), a chat template that renders as Gemma 3's does, and the real `Gemma3ImageProcessor` /
 `Gemma3Processor` at the preset's image size.
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlm_engine.testing.checkpoints import (
+from testkit.checkpoints import (
     _drop_load_time_kwargs,
     _train_bpe_tokenizer,
     cached_checkpoint,

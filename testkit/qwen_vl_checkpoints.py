@@ -1,7 +1,7 @@
 """Deterministic, offline Qwen2.5-VL and Qwen3-VL (dense and MoE) checkpoints for tests and benchmarks.
 
 Random weights from the real Transformers config classes, the tokenizer trained in-process by
-`vlm_engine.testing.checkpoints` (the Qwen2-VL special tokens and chat template: Qwen2.5-VL and
+`testkit.checkpoints` (the Qwen2-VL special tokens and chat template: Qwen2.5-VL and
 Qwen3-VL use the same ones), and each family's own HF processor classes.
 
     write_qwen2_5_vl(path, preset="tiny" | "bench-3b", seed=0) -> Path
@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vlm_engine.testing.checkpoints import (
+from testkit.checkpoints import (
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN2_VL_SPECIAL_TOKENS,
     QWEN2_VL_VOCAB_SIZE,

@@ -1,7 +1,7 @@
 """Deterministic, offline SmolVLM2 checkpoints for tests and benchmarks.
 
 Random weights from the real Transformers config classes (`SmolVLMConfig`: a SigLIP vision config and a
-Llama text config), the BPE tokenizer trained in-process by `vlm_engine.testing.checkpoints` with
+Llama text config), the BPE tokenizer trained in-process by `testkit.checkpoints` with
 SmolVLM's special tokens added after it (`<fake_token_around_image>`, `<image>`, `<global-img>`,
 `<end_of_utterance>`, `<row_r_col_c>` for r, c in 1..6), a chat template that renders as SmolVLM2's,
 and SmolVLM's own processor classes (image splitting into tiles + the global image, video frames with
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from vlm_engine.testing.checkpoints import (
+from testkit.checkpoints import (
     _drop_load_time_kwargs,
     _init_weights_deterministically,
     _train_bpe_tokenizer,

@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from vlm_engine.testing.checkpoints import _build_qwen2_vl_tokenizer, _drop_load_time_kwargs, cached_checkpoint
+from testkit.checkpoints import _build_qwen2_vl_tokenizer, _drop_load_time_kwargs, cached_checkpoint
 
 # Bump whenever the files written here change (checkpoints.BUILDER_VERSION covers that module).
 SCRIPTED_BUILDER_VERSION = "1"

@@ -1,1 +1,0 @@
-"""Test/benchmark helpers: deterministic offline checkpoints (see `checkpoints`)."""
