@@ -57,7 +57,7 @@ test: $(STAMP) system-packages fuzz-corpus
 	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test-fast: $(STAMP) system-packages fuzz-corpus
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

