@@ -12,22 +12,18 @@ every processor call. A per-request switch would need the request's processor kw
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image
 
 from preprocess.errors import PromptError
 from preprocess.family_prompts import FamilyPrompts, placeholder_runs
-from preprocess.hashing import hash_to_int, image_content_hash
 from preprocess.video import DecodedVideo
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
-from vlm_engine.models.hf_prompts import ProcessorPrompts, TokenizerPrompts
+from vlm_engine.models.hf_prompts import Expansion, ProcessorPrompts, TokenizerPrompts, item_hash, pixels_hash
 
 # Gemma3ImageProcessor's pan-and-scan settings, passed on when its config turns pan-and-scan on.
 PAN_AND_SCAN_OPTIONS = (
@@ -57,37 +53,26 @@ class Gemma3Prompts(ProcessorPrompts):
     def accepts_videos(self) -> bool:
         return False  # Gemma 3 takes images only
 
-    def _run_processor(
-        self, text: str, images: list[Image.Image], videos: list[DecodedVideo], timing: AbstractContextManager[None]
-    ) -> Any:
+    def processor_kwargs(self, images: list[Image.Image], videos: list[DecodedVideo]) -> dict[str, Any]:
         del videos  # images only (accepts_videos is False)
-        try:
-            with timing:
-                return self.processor(text=[text], images=images or None, return_tensors="pt", **self.image_kwargs)
-        except Exception as exc:
-            raise PromptError(f"could not process the media: {exc}", param="messages") from exc
+        return {"images": images or None, **self.image_kwargs}
 
-    def _items(self, kind: str, items: list[Any], inputs: Any, token_ids: list[int]) -> Iterator[MediaInput]:
-        if kind != "image" or not items:
+    def media_inputs(self, expansion: Expansion) -> Iterator[MediaInput]:
+        images = expansion.images
+        if not images:
             return
-        pixels = inputs["pixel_values"].cpu().split(1)  # IPC frames are host memory
-        runs = list(placeholder_runs(token_ids, self.image_token_id))
-        if len(runs) != len(pixels) or len(pixels) < len(items):
+        pixels = expansion.outputs["pixel_values"].cpu().split(1)  # IPC frames are host memory
+        runs = list(placeholder_runs(expansion.token_ids, self.image_token_id))
+        if len(runs) != len(pixels) or len(pixels) < len(images):
             raise PromptError(f"found {len(runs)} image placeholders for {len(pixels)} images", param="messages")
         # Without crops each run is one image, hashed as every family hashes images. Pan-and-scan adds
         # crops after their image, and the processor does not say how many per image (it drops
         # num_crops): then every run is hashed by its own processed pixels, which is what its
         # embedding depends on.
-        cropped = len(pixels) > len(items)
+        cropped = len(pixels) > len(images)
         for index, ((offset, length), view) in enumerate(zip(runs, pixels)):
-            digest = _pixels_digest(view) if cropped else image_content_hash(items[index])
-            yield MediaInput(kind, MediaSpan(offset, length, hash_to_int(digest)), view, self.grid)
-
-
-def _pixels_digest(pixels: torch.Tensor) -> str:
-    h = hashlib.sha256(f"gemma3-pixels/{tuple(pixels.shape)}/{pixels.dtype}/".encode())
-    h.update(pixels.contiguous().numpy().tobytes())
-    return h.hexdigest()
+            content_hash = pixels_hash("gemma3-pixels", view) if cropped else item_hash(images[index])
+            yield MediaInput("image", MediaSpan(offset, length, content_hash), view, self.grid)
 
 
 def gemma3_prompts(model_dir: Path, config: Any, gguf_file: str | None, video_device: str = "cpu") -> FamilyPrompts:

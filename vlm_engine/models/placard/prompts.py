@@ -13,11 +13,10 @@ from PIL import Image
 
 from preprocess.errors import PromptError
 from preprocess.family_prompts import FrameChooser, Timer
-from preprocess.hashing import hash_to_int, image_content_hash
 from preprocess.video import DecodedVideo, uniform_indices
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
-from vlm_engine.models.hf_prompts import TokenizerPrompts
+from vlm_engine.models.hf_prompts import TokenizerPrompts, item_hash
 from vlm_engine.models.placard import labeller
 from vlm_engine.models.placard.efficientnet_lite import preprocess as classifier_input
 
@@ -70,11 +69,11 @@ class PlacardPrompts(TokenizerPrompts):
         for n, marker in enumerate(markers):
             if marker == _IMAGE_MARKER:
                 intro = labeller.FIRST_PICTURE if next_image == 0 else labeller.NEXT_PICTURE
-                ids, content_hash = image_spans[next_image], hash_to_int(image_content_hash(images[next_image]))
+                ids, content_hash = image_spans[next_image], item_hash(images[next_image])
                 kind, next_image = "image", next_image + 1
             else:
                 intro = labeller.FIRST_VIDEO if next_video == 0 else labeller.NEXT_VIDEO
-                ids, content_hash = video_spans[next_video], videos[next_video].content_hash
+                ids, content_hash = video_spans[next_video], item_hash(videos[next_video])
                 kind, next_video = "video", next_video + 1
             token_ids += encode(intro, add_special_tokens=False)
             span = MediaSpan(len(token_ids), len(ids), content_hash)

@@ -14,8 +14,6 @@ chosen by its video processor's sampler.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import math
 import re
 from collections.abc import Iterator
@@ -23,15 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image
 
 from preprocess.errors import MediaError, PromptError
-from preprocess.family_prompts import FrameChooser, Timer, placeholder_runs
-from preprocess.hashing import hash_to_int, image_content_hash
-from preprocess.video import DecodedVideo, VideoInfo, VideoSampling, hf_video_metadata
+from preprocess.family_prompts import FrameChooser, placeholder_runs
+from preprocess.video import VideoInfo, VideoSampling, hf_video_metadata
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
-from vlm_engine.models.hf_prompts import ProcessorPrompts
+from vlm_engine.models.hf_prompts import Expansion, ProcessorPrompts, part_hashes, processor_step
 
 
 class SmolVLMPrompts(ProcessorPrompts):
@@ -68,64 +64,50 @@ class SmolVLMPrompts(ProcessorPrompts):
 
         return choose, type(video_processor).__name__
 
-    def expand(
-        self, text: str, images: list[Image.Image], videos: list[DecodedVideo], timed: Timer
-    ) -> tuple[list[int], list[MediaInput]]:
-        inputs = self._run_processor(text, images, videos, timed("image_processor"))
-        token_ids = inputs["input_ids"][0].tolist()
+    def media_inputs(self, expansion: Expansion) -> Iterator[MediaInput]:
+        outputs = expansion.outputs
         image_tiles = video_frames = None
-        if videos:
-            video_frames = (inputs["pixel_values"], inputs.get("pixel_attention_mask"))
-        if images:
+        if expansion.videos:
+            video_frames = (outputs["pixel_values"], outputs.get("pixel_attention_mask"))
+        if expansion.images:
             # The processor returns one `pixel_values`: a video's overwrites the images' (Transformers'
             # SmolVLM takes either in one prompt, not both); the image processor alone gives them.
-            image_inputs = inputs if not videos else self._image_pixels(images, timed)
-            image_tiles = (image_inputs["pixel_values"][0], _first(image_inputs.get("pixel_attention_mask")))
-        media = list(self._items(text, token_ids, images, videos, image_tiles, video_frames))
-        return token_ids, media
+            if expansion.videos:
+                with processor_step(expansion.timed, "images"):
+                    outputs = self.processor.image_processor([expansion.images], return_tensors="pt")
+            image_tiles = (outputs["pixel_values"][0], _first(outputs.get("pixel_attention_mask")))
+        return self._walk(expansion, image_tiles, video_frames)
 
-    def _image_pixels(self, images: list[Image.Image], timed: Timer) -> Any:
-        try:
-            with timed("image_processor"):
-                return self.processor.image_processor([images], return_tensors="pt")
-        except Exception as exc:
-            raise PromptError(f"could not process the images: {exc}", param="messages") from exc
-
-    def _items(
+    def _walk(
         self,
-        text: str,
-        token_ids: list[int],
-        images: list[Image.Image],
-        videos: list[DecodedVideo],
+        expansion: Expansion,
         image_tiles: tuple[torch.Tensor, torch.Tensor | None] | None,
         video_frames: tuple[torch.Tensor, torch.Tensor | None] | None,
     ) -> Iterator[MediaInput]:
         """Walks the media in prompt order (their marks in the rendered text) and the `<image>` runs in
         token order: an image takes runs up to and including its global image (the run right after
         `<global-img>`); a video takes one run per frame."""
+        token_ids, videos = expansion.token_ids, expansion.videos
         runs = placeholder_runs(token_ids, self.image_token_id)
-        image_iter, video_iter = iter(images), iter(range(len(videos)))
+        image_iter, video_iter = iter(expansion.images), iter(range(len(videos)))
         tile_cursor = 0
-        for mark in self._media_marks.finditer(text):
+        for mark in self._media_marks.finditer(expansion.text):
             if mark.group() == self.processor.image_token:
-                image = next(image_iter)
-                base = image_content_hash(image)
                 assert image_tiles is not None
-                for tile in itertools.count():
+                for content_hash in part_hashes(next(image_iter), "tile"):
                     offset, length = _next_run(runs, "image")
                     pixels, grid = self._tile(image_tiles, tile_cursor)
                     tile_cursor += 1
-                    yield MediaInput("image", MediaSpan(offset, length, _part_hash(base, "tile", tile)), pixels, grid)
+                    yield MediaInput("image", MediaSpan(offset, length, content_hash), pixels, grid)
                     if token_ids[offset - 1] == self.global_image_id:
                         break
             else:
                 v = next(video_iter)
                 assert video_frames is not None
                 pixels_v, masks_v = video_frames
-                for frame in range(len(videos[v].indices)):
+                for frame, content_hash in zip(range(len(videos[v].indices)), part_hashes(videos[v], "frame")):
                     offset, length = _next_run(runs, "video frame")
                     pixels, grid = self._tile((pixels_v[v], _first(masks_v, v)), frame)
-                    content_hash = _part_hash(str(videos[v].content_hash), "frame", frame)
                     yield MediaInput("video", MediaSpan(offset, length, content_hash), pixels, grid)
         if next(runs, None) is not None:
             raise PromptError("the prompt has more image placeholders than its media make", param="messages")
@@ -156,7 +138,3 @@ def _next_run(runs: Iterator[tuple[int, int]], what: str) -> tuple[int, int]:
             f"found fewer image placeholder runs than the prompt's media need (at a {what})", param="messages"
         )
     return run
-
-
-def _part_hash(base: str, part: str, index: int) -> int:
-    return hash_to_int(hashlib.sha256(f"{base}/{part}/{index}".encode()).hexdigest()[:32])
