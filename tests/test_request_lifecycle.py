@@ -5,6 +5,7 @@ one output processor gives the same text in-process and in the detokenizer proce
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -14,9 +15,11 @@ import torch
 
 from vlm_engine import Engine, SamplingParams, ipc
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.config import SchedulingConfig
 from vlm_engine.engine import StepFailed
 from vlm_engine.inputs import ProcessedPrompt
-from vlm_engine.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from vlm_engine.runner.model_runner import RunnerOutput
+from vlm_engine.scheduler import Request, RequestStatus, SampledToken, Scheduler, SchedulerConfig
 from vlm_engine.scheduler.request import RunnerState
 from vlm_engine.server.detokenizer_proc import Detokenizer, load_tokenizer
 
@@ -120,11 +123,12 @@ def test_requests_that_fail_alone_and_failed_batches(engine: Engine, finishes: l
     runner = engine.runner
     real_execute = runner.execute
 
-    def nan_logits(plan: Any) -> Any:  # as if the poisoned request's logits were NaN
-        sampled = real_execute(plan)
-        if sampled.pop(poisoned, None) is not None:
-            runner.last_nonfinite.append(poisoned)
-        return sampled
+    def nan_logits(plan: Any) -> RunnerOutput:  # as if the poisoned request's logits were NaN
+        ran = real_execute(plan)
+        if poisoned not in ran.sampled:
+            return ran
+        sampled = {rid: tokens for rid, tokens in ran.sampled.items() if rid != poisoned}
+        return dataclasses.replace(ran, sampled=sampled, nonfinite=[*ran.nonfinite, poisoned])
 
     monkeypatch.setattr(runner, "execute", nan_logits)
     monkeypatch.setattr(engine.scheduler.requests[rejected].grammar, "accept", lambda *args: None)
@@ -185,7 +189,8 @@ class CountingState(RunnerState):
 
 def test_runner_state_hooks_run_on_preempt_and_finish() -> None:
     rng = random.Random(0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=40), PagePool(12, 4))
+    options = SchedulingConfig(max_num_seqs=8, max_num_batched_tokens=64)
+    sched = Scheduler(SchedulerConfig(options, max_model_len=40), PagePool(12, 4))
     requests = []
     for i in range(6):
         request = Request(f"r{i}", ProcessedPrompt([rng.randrange(50) for _ in range(8)]), SamplingParams(max_tokens=20))
@@ -205,7 +210,7 @@ def test_runner_state_hooks_run_on_preempt_and_finish() -> None:
                 state.generator = torch.Generator()
             state.media_embeddings[0] = torch.zeros(2)
             state.draft_computed = chunk.end
-        sched.update(plan, {c.request.request_id: [rng.randrange(50)] for c in plan.chunks if c.samples})
+        sched.update(plan, {c.request.request_id: [SampledToken(rng.randrange(50))] for c in plan.chunks if c.samples})
         sched.check_invariants()
     assert preempted, "the pool was meant to be tight enough to preempt"
     for request in requests:

@@ -10,9 +10,10 @@ import pytest
 
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.config import SchedulingConfig
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.scheduler import Request, RequestRejected, RequestStatus, Scheduler, SchedulerConfig
+from vlm_engine.scheduler import Request, RequestRejected, RequestStatus, SampledToken, Scheduler, SchedulerConfig
 
 VOCAB = 1000
 PLACEHOLDER = 999
@@ -39,7 +40,7 @@ class FakeRunner:
         pages = np.asarray(request.page_ids)[pos // self.ps]
         return pages * self.ps + pos % self.ps
 
-    def execute(self, plan) -> dict[str, list[int]]:
+    def execute(self, plan) -> dict[str, list[SampledToken]]:
         sampled = {}
         for chunk in plan.chunks:
             r = chunk.request
@@ -52,7 +53,7 @@ class FakeRunner:
             self.slots[self.slot_ids(r, chunk.start, chunk.end)] = self.content(r, chunk.start, chunk.end)
             if chunk.samples:
                 history = self.slots[self.slot_ids(r, 0, chunk.end)]
-                sampled[r.request_id] = [int(hash(history.tobytes()) % (VOCAB - 2))]
+                sampled[r.request_id] = [SampledToken(int(hash(history.tobytes()) % (VOCAB - 2)))]
         return sampled
 
 
@@ -87,7 +88,7 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, budget: int | None =
 def new_scheduler(num_pages: int, page_size: int = 4, budget: int = 64, seqs: int = 16,
                   max_len: int | None = None, prefix: bool = True) -> tuple[Scheduler, FakeRunner]:
     pool = PagePool(num_pages, page_size, enable_prefix_cache=prefix)
-    config = SchedulerConfig(seqs, budget, max_len or num_pages * page_size)
+    config = SchedulerConfig(SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget), max_len or num_pages * page_size)
     return Scheduler(config, pool), FakeRunner(pool)
 
 
@@ -146,7 +147,7 @@ def test_chunked_prefill_respects_budget_and_splits_long_prompts() -> None:
 
 def test_without_chunked_prefill_long_prompt_is_rejected() -> None:
     pool = PagePool(100, 4)
-    sched = Scheduler(SchedulerConfig(4, 16, 400, enable_chunked_prefill=False), pool)
+    sched = Scheduler(SchedulerConfig(SchedulingConfig(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=False), 400), pool)
     with pytest.raises(RequestRejected):
         sched.add_request(make_request("x", random.Random(0), 2, 40))
     assert pool.num_free == 100

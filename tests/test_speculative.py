@@ -24,7 +24,8 @@ from tests.conftest import make_image
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.inputs import ProcessedPrompt
-from vlm_engine.scheduler import Request, Scheduler, SchedulerConfig
+from vlm_engine.config import SchedulingConfig
+from vlm_engine.scheduler import Request, SampledToken, Scheduler, SchedulerConfig
 from vlm_engine.speculative.ngram import ngram_lookup
 from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from testkit.checkpoints import cached_checkpoint
@@ -191,7 +192,7 @@ class DraftingRunner:
             self.slots[self.slot_ids(r, chunk.start, chunk.end)] = chunk.input_ids()
             if chunk.samples:
                 keep = self.rng.randint(0, len(chunk.draft))
-                sampled[r.request_id] = chunk.draft[:keep] + [50 + self.rng.randrange(50)]
+                sampled[r.request_id] = [SampledToken(t) for t in chunk.draft[:keep] + [50 + self.rng.randrange(50)]]
         sched.update(plan, sampled)
         sched.check_invariants()
 
@@ -199,7 +200,8 @@ class DraftingRunner:
 def test_rollback_keeps_only_accepted_kv_and_frees_empty_pages() -> None:
     rng = random.Random(3)
     pool = PagePool(num_pages=40, page_size=4)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=120), pool)
+    options = SchedulingConfig(max_num_seqs=6, max_num_batched_tokens=48)
+    sched = Scheduler(SchedulerConfig(options, max_model_len=120), pool)
     sched.lookahead = lambda request: 6
     runner = DraftingRunner(pool, rng)
     for i in range(16):

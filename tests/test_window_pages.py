@@ -12,9 +12,10 @@ import pytest
 from tests.test_scheduler import FakeRunner, make_request
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.config import SchedulingConfig
 from vlm_engine.inputs import MediaInput, ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.scheduler import Request, Scheduler, SchedulerConfig
+from vlm_engine.scheduler import Request, SampledToken, Scheduler, SchedulerConfig
 from vlm_engine.scheduler.window import RELEASED, WindowPages, held_pages
 
 PS = 4
@@ -35,7 +36,7 @@ class FakeWindowRunner(FakeRunner):
         assert (pages != RELEASED).all(), f"{request.request_id} reads released window pages in [{lo}, {hi})"
         return pages * self.ps + pos % self.ps
 
-    def execute(self, plan) -> dict[str, list[int]]:
+    def execute(self, plan) -> dict[str, list[SampledToken]]:
         for chunk in plan.chunks:
             r = chunk.request
             assert len(r.window_page_ids) == len(r.page_ids)
@@ -51,7 +52,7 @@ def make_scheduler(num_pages: int, window: int, window_pages: int, budget: int =
                    prefix_cache: bool = True) -> tuple[Scheduler, FakeWindowRunner]:
     pool = PagePool(num_pages, PS, prefix_cache)
     pages = WindowPages(PagePool(window_pages, PS, prefix_cache), window)
-    config = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, max_model_len=num_pages * PS)
+    config = SchedulerConfig(SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget), num_pages * PS)
     return Scheduler(config, pool, pages), FakeWindowRunner(pool, pages)
 
 
@@ -60,7 +61,7 @@ def run(sched: Scheduler, runner: FakeWindowRunner, window: int) -> dict[str, li
     while sched.has_unfinished:
         plan = sched.schedule()
         assert not plan.is_empty, "scheduler stalled with work left"
-        for request in sched.update(plan, runner.execute(plan)):
+        for request in sched.update(plan, runner.execute(plan)).finished:
             outputs[request.request_id] = request.output_token_ids
         sched.check_invariants()
         for request in sched.running:
@@ -142,7 +143,8 @@ def _media_request(rid: str, spans: list[tuple[int, int]], prompt_len: int) -> R
 
 def test_atomic_media_spans_never_end_a_chunk_inside_a_span() -> None:
     pool = PagePool(128, PS)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=10, max_model_len=512, atomic_media_spans=True)
+    options = SchedulingConfig(max_num_seqs=4, max_num_batched_tokens=10)
+    config = SchedulerConfig(options, max_model_len=512, atomic_media_spans=True)
     sched = Scheduler(config, pool)
     # Spans: one cut back to its start; one longer than the step budget (runs whole, over budget, alone).
     a = _media_request("a", [(6, 5), (14, 23)], 45)
@@ -157,7 +159,7 @@ def test_atomic_media_spans_never_end_a_chunk_inside_a_span() -> None:
         for c in plan.chunks:
             for span in c.request.media_spans:
                 assert not span.offset < c.end < span.end, f"chunk {c.start}-{c.end} splits {span}"
-        if plan.num_tokens > config.max_num_batched_tokens:
+        if plan.num_tokens > options.max_num_batched_tokens:
             assert len(plan.chunks) == 1  # over the budget only alone
         sched.update(plan, runner.execute(plan))
         sched.check_invariants()

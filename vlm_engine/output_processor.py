@@ -8,20 +8,50 @@ being part of it, but it counts as a token. It also turns logprob token ids into
 API.
 
 A stop string ends a request that the engine may still be running. The caller then finishes it in
-the scheduler (in-process at once; served through `Abort(stopped=True)` to the core, whose outputs
-for it until its own finish are dropped here).
+the scheduler's `end_at_stop_string` (in-process at once; served through `Abort(stopped=True)` to
+the core, whose outputs for it until its own finish are dropped here).
+
+In-process, `process_request` takes a scheduler request's new tokens and `request_output` makes the
+`RequestOutput` that `Engine.step()` returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from vlm_engine import ipc
 from vlm_engine.detokenizer import IncrementalDetokenizer
 
+if TYPE_CHECKING:
+    from vlm_engine.scheduler.request import Request, SampledToken
+
 _MAX_TOKEN_TEXTS = 200_000  # logprob strings cached by token id, bounded
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What the in-process engine returns for a request after a step."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    prompt_tokens: int
+    cached_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)  # tokens added by the last step
+    new_text: str = ""  # text made safe to show by the last step (stop strings held back)
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
 
 
 @dataclass(slots=True)
@@ -125,6 +155,21 @@ class OutputProcessor:
             stream.history,
         )
 
+    def process_request(self, request: Request, tokens: list[SampledToken]) -> TextStep:
+        """In-process: a scheduler request's new tokens, as the step left the request (its
+        stream starts with its first output)."""
+        rid, sampling = request.request_id, request.sampling
+        logprobs = None
+        if sampling.logprobs is not None:
+            logprobs = [TokenLogprob(t.token_id, t.logprob or 0.0, t.top_logprobs or []) for t in tokens]
+        finished = request.status.finished
+        reason, stop_token = (request.finish_reason, request.stop_token_id) if finished else (None, None)
+        if rid not in self.streams:
+            self.add_request(rid, sampling.stop, request.num_prompt_tokens, sampling.logprobs is not None)
+        text = self.process(rid, [t.token_id for t in tokens], logprobs, finished, reason, stop_token)
+        assert text is not None  # in-process, a stop string drops the stream as it finishes the request
+        return text
+
     # ---- logprob strings -----------------------------------------------------------------------
 
     def logprob_entries(self, sampled: list[ipc.SampledLogprob]) -> list[ipc.LogprobEntry]:
@@ -142,3 +187,20 @@ class OutputProcessor:
             if len(self._token_text) < _MAX_TOKEN_TEXTS:
                 self._token_text[token_id] = text
         return text
+
+
+def request_output(request: Request, text: TextStep) -> RequestOutput:
+    """The in-process output of a request whose step's tokens made `text`."""
+    return RequestOutput(
+        request_id=request.request_id,
+        token_ids=request.output_token_ids,
+        text=text.text,
+        finished=request.status.finished,
+        finish_reason=request.finish_reason,
+        prompt_tokens=request.num_prompt_tokens,
+        cached_tokens=request.num_cached_tokens,
+        new_token_ids=text.token_ids,
+        new_text=text.delta,
+        logprobs=text.history,
+        stop_reason=text.stop_string if text.stop_string is not None else request.stop_token_id,
+    )

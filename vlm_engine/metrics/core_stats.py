@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlm_engine import ipc
+
+if TYPE_CHECKING:
+    from vlm_engine.runner.model_runner import RunnerOutput
+    from vlm_engine.scheduler.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -26,6 +31,7 @@ class StepStats:
     update_s: float = 0.0  # applying the tokens; the caller adds the time it spends on its outputs
     mask_s: float = 0.0  # grammar masks, built on a host thread during the forward (not added to it)
     mask_wait_s: float = 0.0  # of forward_s, the wait for masks after the forward finished
+    prepare_s: float = 0.0  # of forward_s, building the step's inputs on the host
     num_decode_tokens: int = 0  # tokens of decoding chunks, drafts included; the rest is prefill
     num_cached_tokens: int = 0  # prefix-cache hits of the requests admitted for the first time
     num_generated_tokens: int = 0  # tokens appended to requests
@@ -34,6 +40,34 @@ class StepStats:
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
+
+    @classmethod
+    def of_step(
+        cls,
+        plan: SchedulerOutput,
+        ran: RunnerOutput,
+        num_generated_tokens: int,
+        schedule_s: float,
+        propose_s: float,
+        forward_s: float,
+        update_s: float,
+    ) -> StepStats:
+        """The numbers of a step that ran `plan`, whose forward pass gave `ran`."""
+        return cls(
+            num_tokens=plan.num_tokens,
+            num_seqs=len(plan.chunks),
+            schedule_s=schedule_s,
+            propose_s=propose_s,
+            forward_s=forward_s,
+            update_s=update_s,
+            mask_s=ran.mask_s,
+            mask_wait_s=ran.mask_wait_s,
+            prepare_s=ran.prepare_s,
+            num_decode_tokens=plan.num_decode_tokens,
+            num_cached_tokens=plan.num_cached_tokens,
+            num_generated_tokens=num_generated_tokens,
+            num_preemptions=len(plan.preempted),
+        )
 
 
 class StepRecorder:

@@ -53,6 +53,27 @@ def attention_windows(model: VLModel) -> tuple[int, ...]:
     return windows
 
 
+def kv_token_bytes(models: list[VLModel], dtype: torch.dtype) -> tuple[int, int]:
+    """KV bytes of one token in the full-attention layers (every model's: a draft model's share
+    the page tables) and in the first model's sliding-window layers, which have a pool of their own."""
+    window_layers = sum(1 for w in attention_windows(models[0]) if w)
+    window = KVLayout.of(models[0]).bytes_per_token(dtype, window_layers)
+    return sum(KVLayout.of(model).bytes_per_token(dtype) for model in models) - window, window
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerOutput:
+    """What one `ModelRunner.execute()` produced."""
+
+    # New tokens of each sampling chunk's request: one, or a verified draft prefix plus one.
+    sampled: dict[str, list[SampledToken]]
+    # Requests whose logits were not finite (NaN / inf): no token; they fail alone.
+    nonfinite: list[str]
+    prepare_s: float = 0.0  # host-side input building
+    mask_s: float = 0.0  # host time spent building grammar masks (on their thread, during the forward)
+    mask_wait_s: float = 0.0  # of that, how long the step waited for them after the forward
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor
@@ -101,11 +122,6 @@ class ModelRunner:
         # the GIL); one thread, because the forward already uses the cores.
         self._mask_thread: ThreadPoolExecutor | None = None
         self.vocab_size = model.vocab_size
-        self.last_prepare_s = 0.0
-        self.last_mask_s = 0.0  # host time the last step spent building grammar masks
-        self.last_mask_wait_s = 0.0  # of that, how long the step waited for it after the forward
-        # Requests of the last step whose logits were not finite (NaN / inf): no token, failed alone.
-        self.last_nonfinite: list[str] = []
 
     def _kv_tensors(self, num_pages: int) -> KVCache:
         shape = (num_pages, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
@@ -115,21 +131,22 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, list[SampledToken]]:
-        """Run the step; returns the new tokens of each sampling chunk's request (one, or a
-        verified draft prefix plus one when the chunk carries a draft). A request whose logits
-        were not finite gets none and is listed in `last_nonfinite`."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step: the new tokens of each sampling chunk's request (one, or a verified draft
+        prefix plus one when the chunk carries a draft); a request whose logits were not finite
+        gets none and is listed as such."""
         t0 = time.perf_counter()
-        self.last_nonfinite = []
         inputs = self.prepare_inputs(out.chunks)
-        self.last_prepare_s = time.perf_counter() - t0  # host-side input building (benchmarks read it)
+        prepare_s = time.perf_counter() - t0
         masks = self._start_masks(inputs)
         logits = self._logits(inputs, out.chunks)
         if logits is None:
-            return {}
+            return RunnerOutput({}, [], prepare_s)
+        mask_s = mask_wait_s = 0.0
         if masks is not None:
-            self._apply_masks(logits, masks)
-        return self._choose(logits, inputs)
+            mask_s, mask_wait_s = self._apply_masks(logits, masks)
+        sampled, nonfinite = self._choose(logits, inputs)
+        return RunnerOutput(sampled, nonfinite, prepare_s, mask_s, mask_wait_s)
 
     @torch.inference_mode()
     def forward_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
@@ -154,9 +171,11 @@ class ModelRunner:
         # whole [64, 49152] block cost ~0.5 ms of a batch-64 step. Other dtypes (fp16) convert.
         return logits if logits.dtype in (torch.float32, torch.bfloat16) else logits.float()
 
-    def _choose(self, logits: torch.Tensor, inputs: StepInputs) -> dict[str, list[SampledToken]]:
+    def _choose(self, logits: torch.Tensor, inputs: StepInputs) -> tuple[dict[str, list[SampledToken]], list[str]]:
+        """Each sampling chunk's tokens, and the requests whose logits were not finite."""
         chunks, offsets = inputs.sample_chunks, inputs.row_offsets
         results: dict[str, list[SampledToken]] = {}
+        nonfinite: list[str] = []
         plain = [i for i, c in enumerate(chunks) if not c.draft]
         if plain:
             requests = [chunks[i].request for i in plain]
@@ -164,7 +183,7 @@ class ModelRunner:
             tokens = sample(rows, [r.sampling for r in requests], [self.generator(r) for r in requests], self._argmax)
             for request, token in zip(requests, tokens):
                 if token is None:
-                    self.last_nonfinite.append(request.request_id)
+                    nonfinite.append(request.request_id)
                 else:
                     results[request.request_id] = [token]
         drafted = [i for i, c in enumerate(chunks) if c.draft]
@@ -173,10 +192,10 @@ class ModelRunner:
             for i in drafted:
                 chunk = chunks[i]
                 if not all(finite[offsets[i] : offsets[i] + len(chunk.draft) + 1]):
-                    self.last_nonfinite.append(chunk.request.request_id)
+                    nonfinite.append(chunk.request.request_id)
                     continue
                 results[chunk.request.request_id] = self._verify(chunk, logits, argmax, offsets[i])
-        return results
+        return results, nonfinite
 
     def _verify(self, chunk: ScheduledChunk, logits: torch.Tensor, argmax: list[int], row: int) -> list[SampledToken]:
         request, draft = chunk.request, chunk.draft
@@ -196,7 +215,6 @@ class ModelRunner:
     # ---- structured output -------------------------------------------------------------------
 
     def _start_masks(self, inputs: StepInputs) -> Future | None:
-        self.last_mask_s = self.last_mask_wait_s = 0.0
         items = [
             (offset, c.request.grammar, c.request.remaining_tokens, c.draft)
             for offset, c in zip(inputs.row_offsets, inputs.sample_chunks)
@@ -209,13 +227,15 @@ class ModelRunner:
         words = (self.vocab_size + 31) // 32
         return self._mask_thread.submit(_timed, build_bitmask, items, words)
 
-    def _apply_masks(self, logits: torch.Tensor, masks: Future) -> None:
+    def _apply_masks(self, logits: torch.Tensor, masks: Future) -> tuple[float, float]:
+        """Mask the constrained rows; returns the time building the masks took and the wait for them."""
         t0 = time.perf_counter()
-        (rows, bitmask), self.last_mask_s = masks.result()
-        self.last_mask_wait_s = time.perf_counter() - t0
+        (rows, bitmask), mask_s = masks.result()
+        wait_s = time.perf_counter() - t0
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
         index = torch.tensor(rows)
         logits[index] = logits[index].masked_fill_(torch.from_numpy(allowed == 0), float("-inf"))
+        return mask_s, wait_s
 
     # ---- inputs ----------------------------------------------------------------------------
 

@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
 from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.scheduler.request import SampledToken  # the scheduler's, since it applies them
 
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+__all__ = ["SampledToken", "batch_argmax", "sample", "target_probs", "token_logprobs"]
 
 
 ArgmaxFn = Callable[[torch.Tensor], torch.Tensor]

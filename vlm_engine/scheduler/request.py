@@ -15,6 +15,15 @@ if TYPE_CHECKING:  # the scheduler holds these for the runner; it never touches 
     import torch
 
 
+@dataclass(slots=True)
+class SampledToken:
+    """A token a step produced for a request, with its logprob and the top alternatives when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

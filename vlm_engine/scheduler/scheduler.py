@@ -11,9 +11,10 @@ One `schedule()` call plans one forward step under a token budget:
 sampled tokens and retires finished requests, returning their pages at once.
 
 A request's life ends here and nowhere else: `update()` finishes what a step decided (a stop
-token, the length limit, a completed grammar, a request that failed alone), and
-`finish_requests()` what comes from outside a step (aborts, a stop string found in the text, a
-failed batch). Both free through `_finish`.
+token, the length limit, a completed grammar, a request that failed alone: its logits were not
+finite, or its grammar rejected a sampled token), `end_at_stop_string()` a request whose text
+reached a stop string, and `finish_requests()` what else comes from outside a step (aborts, a
+failed batch). All free through `_finish`.
 
 Speculative decoding (vlm_engine.speculative) adds one thing: a decoding request may reserve
 `lookahead` KV slots past its last token; the engine fills them with proposed tokens before the
@@ -23,16 +24,23 @@ prefix only and gives back pages that hold nothing valid (the rollback).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from vlm_engine.cache.page_hash import page_hashes
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.config import SchedulingConfig
 from vlm_engine.inputs import context_exceeded
-from vlm_engine.scheduler.request import Request, RequestStatus
+from vlm_engine.scheduler.request import Request, RequestStatus, SampledToken
 from vlm_engine.scheduler.window import WindowPages, held_pages
+
+logger = logging.getLogger(__name__)
+
+NONFINITE_LOGITS = "the model's logits for this request were not finite (NaN or inf); it was stopped"
+GRAMMAR_REJECTED = "the grammar rejected a sampled token; it was stopped"
 
 
 class RequestRejected(ValueError):
@@ -41,10 +49,10 @@ class RequestRejected(ValueError):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    enable_chunked_prefill: bool = True
+    """The user's scheduling options and what the engine derives for its model and pool."""
+
+    options: SchedulingConfig
+    max_model_len: int  # the context, capped so that any one request fits the pool alone
     # Pages kept free when admitting new work so running requests can grow a little without
     # immediately preempting the newcomer.
     watermark_pages: int = 0
@@ -105,8 +113,32 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
+    def num_decode_tokens(self) -> int:
+        """Tokens of decoding chunks (past their prompt, one known token), drafts included."""
+        return sum(
+            c.num_tokens for c in self.chunks if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
+        )
+
+    @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """What `Scheduler.update()` made of one step's results."""
+
+    # The tokens appended, in chunk order: cut after a stop token, the length limit or a completed
+    # grammar, and the grammar's choice where its closer replaced the sampled token.
+    tokens: list[tuple[Request, list[SampledToken]]]
+    # Requests that failed alone (logits not finite, a token the grammar rejected), with why:
+    # finished ("abort") and their pages freed; the rest of the batch went on.
+    failed: list[tuple[Request, str]]
+    finished: list[Request]  # every request this step finished, the failed ones first
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(tokens) for _, tokens in self.tokens)
 
 
 class Scheduler:
@@ -139,10 +171,11 @@ class Scheduler:
         limit = self.config.max_model_len
         if request.num_prompt_tokens >= limit:
             raise RequestRejected(context_exceeded(request.num_prompt_tokens, limit))
-        if not self.config.enable_chunked_prefill and request.num_prompt_tokens > self.config.max_num_batched_tokens:
+        options = self.config.options
+        if not options.enable_chunked_prefill and request.num_prompt_tokens > options.max_num_batched_tokens:
             raise RequestRejected(
                 f"the prompt has {request.num_prompt_tokens} tokens, more than max_num_batched_tokens "
-                f"({self.config.max_num_batched_tokens}) with chunked prefill off"
+                f"({options.max_num_batched_tokens}) with chunked prefill off"
             )
         request.max_model_len = min(request.max_model_len, limit)
         self.requests[request.request_id] = request
@@ -153,9 +186,9 @@ class Scheduler:
         return finished[0] if finished else None
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish requests from outside a step: aborts (the client left), a stop string the output
-        processor found, a batch whose forward pass failed. Ids unknown or already finished are
-        skipped; returns the requests finished, in the order given."""
+        """Finish requests from outside a step: aborts (the client left), a batch whose forward pass
+        failed. Ids unknown or already finished are skipped; returns the requests finished, in the
+        order given."""
         finished = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -164,18 +197,20 @@ class Scheduler:
                 finished.append(request)
         return finished
 
-    def end_at_stop_string(self, request: Request, num_output_tokens: int) -> None:
-        """A stop string ended the text at output token `num_output_tokens`: the tokens after it
-        never happened (a speculative step can run past it), and the request ends with "stop",
-        also one that this step had already finished by a stop token or its length limit."""
-        dropped = request.num_output_tokens - num_output_tokens
+    def end_at_stop_string(self, request: Request, num_output_tokens: int | None = None) -> None:
+        """A stop string ended `request`'s text at output token `num_output_tokens`: the tokens
+        after it never happened (a speculative step can run past it) and the request finishes with
+        "stop", its pages freed; a request this step's update already finished (a stop token, the
+        length limit: its pages are free) ends with "stop" too. None: the caller does not know
+        where in the tokens the text stopped (the server's core; its detokenizer cut them)."""
+        dropped = 0 if num_output_tokens is None else request.num_output_tokens - num_output_tokens
         if dropped > 0:
             del request.token_ids[-dropped:]
             request.stop_token_id = None
         if request.status.finished:
             request.status = RequestStatus.FINISHED_STOPPED
         else:
-            self.finish_requests((request.request_id,), RequestStatus.FINISHED_STOPPED)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         """Retire a request and return its pages to the pool right away."""
@@ -198,7 +233,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.options.max_num_batched_tokens
         scheduled: set[int] = set()
 
         i = 0
@@ -247,7 +282,7 @@ class Scheduler:
             if span.offset < end < span.end:
                 if span.offset > start:
                     return span.offset - start
-                return span.end - start if budget == self.config.max_num_batched_tokens else 0
+                return span.end - start if budget == self.config.options.max_num_batched_tokens else 0
         return n
 
     def _lookahead(self, request: Request, n: int, budget: int) -> int:
@@ -258,12 +293,13 @@ class Scheduler:
         return max(0, min(self.lookahead(request), budget - 1, request.remaining_tokens - 1))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_num_seqs, chunked = self.config.options.max_num_seqs, self.config.options.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
             if request.num_computed_tokens == 0 and not request.page_ids:
                 self._match_prefix(request)
             n = self._chunk_tokens(request, budget)
-            if n == 0 or (n < request.extend_len and not self.config.enable_chunked_prefill):
+            if n == 0 or (n < request.extend_len and not chunked):
                 self._release_pages(request)
                 break
             needed = self._pages_for(request.num_computed_tokens + n) - len(request.page_ids)
@@ -357,18 +393,26 @@ class Scheduler:
 
     # ---- after the forward pass -------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]], aborted: Iterable[str] = ()) -> list[Request]:
-        """Apply one step's results and retire the requests it finished; returns those.
+    def update(
+        self, out: SchedulerOutput, sampled: Mapping[str, list[SampledToken]], nonfinite: Collection[str] = ()
+    ) -> StepUpdate:
+        """Apply one step's results and retire the requests it finished. Nothing passed in is changed.
 
         `sampled` maps request id -> new tokens for sampling chunks. A speculative chunk's tokens
         are its accepted draft prefix followed by one sampled token; only the accepted prefix's KV
-        is kept, and pages past the last token are given back. When a stop token or the length
-        limit ends a request, its list is cut to the tokens appended. `aborted` names requests
-        that failed alone this step (logits not finite, a token the grammar rejected): they finish
-        first, with "abort". A constrained request whose grammar is complete finishes with "stop",
-        also when that token reached its length limit.
+        is kept, and pages past the last token are given back. A constrained request's grammar
+        takes the tokens first: a token that completes it, or one its closer replaced, ends the
+        request's tokens for this step. Requests that fail alone finish with "abort": those in
+        `nonfinite` (their logits were NaN or inf, nothing was sampled) and those whose grammar
+        rejects a sampled token (a bug, never silently invalid output). A stop token or the length
+        limit may end a request before its last token; a constrained request whose grammar is
+        complete finishes with "stop", also when that token reached its length limit.
         """
-        finished = self.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+        failed = self._nonfinite(out, nonfinite) if nonfinite else []
+        finished = [request for request, _ in failed]
+        for request in finished:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        applied: list[tuple[Request, list[SampledToken]]] = []
         completed: list[Request] = []  # grammar complete: retired after the step's other tokens
         now = time.monotonic()
         for chunk in out.chunks:
@@ -381,23 +425,33 @@ class Scheduler:
                 self._release_behind_window(request)
                 continue
             tokens = sampled[request.request_id]
-            if not tokens or tokens[:-1] != chunk.draft[: len(tokens) - 1]:
-                raise ValueError(f"request {request.request_id}: tokens {tokens} do not extend the draft {chunk.draft}")
+            if len(tokens) != 1:
+                _check_draft(chunk, tokens)
+            if request.grammar is not None:
+                taken = _accept_constrained(request, tokens)
+                if taken is None:
+                    logger.error("request %s: the grammar rejected a sampled token; aborting it", request.request_id)
+                    failed.append((request, GRAMMAR_REJECTED))
+                    self._finish(request, RequestStatus.FINISHED_ABORTED)
+                    finished.append(request)
+                    continue
+                tokens = taken
             if request.first_token_time is None:
                 request.first_token_time = now
-            before = request.num_tokens
             status = None
-            for token in tokens:
-                status = request.append_token(token)
+            for n, token in enumerate(tokens, start=1):
+                status = request.append_token(token.token_id)
                 if status is not None:
-                    break  # a stop token or the length limit: later tokens are dropped
+                    if n < len(tokens):
+                        tokens = tokens[:n]  # a stop token or the length limit: later tokens are dropped
+                    break
+            applied.append((request, tokens))
             # Every token but the newest has its KV computed (the known ones and the accepted draft).
             request.num_computed_tokens = request.num_tokens - 1
             self._register_full_pages(request)
             self._release_behind_window(request)
             grammar_done = request.grammar is not None and request.grammar.is_stopped
             if status is not None:
-                del tokens[request.num_tokens - before :]
                 if grammar_done and status is RequestStatus.FINISHED_LENGTH:
                     status = RequestStatus.FINISHED_STOPPED  # completed on its last budgeted token
                 self._finish(request, status)
@@ -410,7 +464,18 @@ class Scheduler:
         for request in completed:  # nothing but EOS could follow: stop now, not a step later
             self._finish(request, RequestStatus.FINISHED_STOPPED)
             finished.append(request)
-        return finished
+        return StepUpdate(applied, failed, finished)
+
+    def _nonfinite(self, out: SchedulerOutput, request_ids: Collection[str]) -> list[tuple[Request, str]]:
+        """The step's requests whose logits came out NaN or infinite (there is nothing to sample):
+        they fail alone, and the batch's other requests keep their tokens."""
+        failed = []
+        for chunk in out.chunks:
+            request = chunk.request
+            if request.request_id in request_ids and not request.status.finished:
+                logger.error("request %s: the model's logits were not finite (NaN or inf); aborting it", request.request_id)
+                failed.append((request, NONFINITE_LOGITS))
+        return failed
 
     def _trim_pages(self, request: Request) -> None:
         """Give back pages that hold no token (rejected draft slots); the newest token's page stays."""
@@ -475,3 +540,28 @@ class Scheduler:
         if self.window is not None:
             self.window.register(request, first, keys[first:full])
         request.num_registered_pages = full
+
+
+def _check_draft(chunk: ScheduledChunk, tokens: Sequence[SampledToken]) -> None:
+    """A sampling chunk's tokens: its accepted draft prefix, then one more."""
+    n = len(tokens)
+    if n == 0 or n > len(chunk.draft) + 1 or [t.token_id for t in tokens[:-1]] != chunk.draft[: n - 1]:
+        ids = [t.token_id for t in tokens]
+        raise ValueError(f"request {chunk.request.request_id}: tokens {ids} do not extend the draft {chunk.draft}")
+
+
+def _accept_constrained(request: Request, tokens: Sequence[SampledToken]) -> list[SampledToken] | None:
+    """Advance the grammar over a step's tokens; None if it rejects one. A token the closer
+    swapped, or one that completes the grammar or is an EOS, ends the step's tokens for this request."""
+    taken: list[SampledToken] = []
+    for i, token in enumerate(tokens):
+        chosen = request.grammar.accept(token.token_id, request.remaining_tokens - 1 - i)
+        if chosen is None:
+            return None
+        if chosen != token.token_id:  # the closer finished the output instead
+            taken.append(SampledToken(chosen, token.logprob, token.top_logprobs))
+            break
+        taken.append(token)
+        if request.grammar.is_stopped or chosen in request.eos_token_ids:
+            break
+    return taken

@@ -13,11 +13,16 @@ is accepted well resets the back-off.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sized
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from vlm_engine.config import SpeculativeConfig
 from vlm_engine.scheduler.request import Request
 from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
+
+if TYPE_CHECKING:
+    from vlm_engine.runner.model_runner import ModelRunner
 
 MIN_ACCEPTANCE = 0.2
 EMA_WEIGHT = 0.5  # weight of the newest step in the acceptance average
@@ -89,6 +94,8 @@ class Speculator:
         return self.num_tokens
 
     def propose(self, plan: SchedulerOutput) -> None:
+        """Fill the plan's decoding chunks' drafts (a step's speculation starts here)."""
+        self.stats.last_step_lengths.clear()
         chunks = []
         for chunk in plan.chunks:
             if not chunk.num_lookahead:
@@ -104,6 +111,12 @@ class Speculator:
                 chunk.set_draft(grammar.valid_draft(chunk.draft))
             if not chunk.draft:  # nothing to verify: a draft distribution would only go stale
                 chunk.request.runner_state.draft_probs = None
+
+    def observe_step(self, plan: SchedulerOutput, sampled: Mapping[str, Sized]) -> None:
+        """The forward pass verified the plan's drafts: `sampled` holds each request's new tokens."""
+        for chunk in plan.chunks:
+            if chunk.draft and chunk.request.request_id in sampled:
+                self.observe(chunk, len(sampled[chunk.request.request_id]))
 
     def observe(self, chunk: ScheduledChunk, num_tokens: int) -> None:
         """A verified chunk emitted `num_tokens` (its accepted drafts and one more)."""
@@ -124,6 +137,22 @@ class Speculator:
             state.acceptance = RETRY_ACCEPTANCE
         elif accepted:
             state.backoff = MIN_BACKOFF
+
+
+def build_speculator(config: SpeculativeConfig, draft_runner: ModelRunner | None) -> Speculator | None:
+    """The configured speculation: a draft model's (its runner given) or n-gram lookup; None: off."""
+    if not config.speculative:
+        return None
+    proposer: Proposer
+    if draft_runner is not None:
+        from vlm_engine.speculative.draft_model import DraftModelProposer
+
+        proposer = DraftModelProposer(draft_runner)
+    else:
+        from vlm_engine.speculative.ngram import NgramProposer
+
+        proposer = NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+    return Speculator(proposer, config.num_speculative_tokens, config.speculative_disable_batch_size)
 
 
 def _state(request: Request) -> RequestSpeculation:

@@ -1,0 +1,124 @@
+"""From an `EngineConfig` to loaded models: the checkpoint, the device and dtype, the kernels (fused
+CPU ops, weight panels, weight-only quantization, bf16 weights) and the optional draft model.
+
+The engine gets one `WiredModel` and builds its runner and pools around it; nothing here knows
+about pages or requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from vlm_engine.config import EngineConfig
+from vlm_engine.host_memory import keep_freed_memory
+from vlm_engine.models.family import VLModel, text_config_of
+from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
+from vlm_engine.models.registry import (
+    ModelSource,
+    build_model,
+    cpu_bf16_weights,
+    default_device,
+    load_config,
+    resolve_dtype,
+    resolve_model,
+)
+
+
+@dataclass(frozen=True)
+class WiredModel:
+    source: ModelSource
+    hf_config: Any
+    device: torch.device
+    dtype: torch.dtype
+    model: VLModel
+    fused_ops: ModuleType | None  # the fused CPU ops the runners call (None: not loaded)
+    quantization: str | None  # the target's weight-only quantization
+    bf16_weights: bool  # fp32 activations over bf16 weight panels (see registry.cpu_bf16_weights)
+    draft_model: VLModel | None = None  # speculative decoding's draft model, when one is configured
+
+    @property
+    def weights(self) -> str:
+        """What the linears' weights are, for the log."""
+        return self.quantization or ("bf16 (fp32 activations)" if self.bf16_weights else "unquantized")
+
+
+def wire_model(config: EngineConfig) -> WiredModel:
+    """Load the target model (and the draft model, if any) as `config` asks."""
+    cfg, spec = config.model, config.speculative
+    source = resolve_model(cfg.model)
+    hf_config = load_config(source)
+    if config.cache.disable_sliding_window:
+        attend_fully(hf_config)
+    device = default_device(cfg.device)
+    if device.type == "cpu":
+        keep_freed_memory()  # steps reuse their large activations instead of page-faulting them in
+    # Quantized linears keep fp32 activations: "auto" then means float32.
+    dtype_choice = "float32" if cfg.quantization else cfg.dtype
+    dtype = resolve_dtype(dtype_choice, hf_config, device, source.gguf_file is not None)
+    fast = cfg.numerics == "fast"
+    fused = load_fused_ops() if fast and cfg.fused_cpu_ops and fused_ops_apply(device, dtype) else None
+    panel_ops = fused if fused is not None and fused.panel_linear_vectorized() else None
+    bf16_weights = panel_ops is not None and cpu_bf16_weights(dtype_choice, dtype, device)
+    prepack = fast and cfg.prepack_weights
+
+    def build(source: ModelSource, hf_config: Any, quantization: str | None) -> VLModel:
+        quant_ops = (fused or load_fused_ops()) if quantization else None
+        return build_model(
+            source, hf_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights
+        )  # fmt: skip
+
+    model = build(source, hf_config, cfg.quantization)
+    draft = None
+    if spec.draft_path is not None:
+        # Same dtype and kernels as the target; optionally weight-only quantized, which makes the
+        # target's own weights a draft (int4 of a Q4_1 GGUF keeps its codes: it agrees nearly always).
+        draft_source = resolve_model(spec.draft_path)
+        draft_config = load_config(draft_source)
+        _check_vocab(draft_config, hf_config)
+        draft = build(draft_source, draft_config, spec.speculative_draft_quantization)
+    return WiredModel(source, hf_config, device, dtype, model, fused, cfg.quantization, bf16_weights, draft)
+
+
+def _check_vocab(draft_config: Any, target_config: Any) -> None:
+    draft_vocab = int(text_config_of(draft_config).vocab_size)
+    target_vocab = int(text_config_of(target_config).vocab_size)
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model's vocabulary ({draft_vocab}) differs from the target's ({target_vocab})")
+
+
+def attend_fully(hf_config: Any) -> None:
+    """`disable_sliding_window`: every layer of the config's `layer_types` attends to the whole context."""
+    text = text_config_of(hf_config)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        text.layer_types = ["full_attention"] * len(layer_types)
+    if getattr(text, "sliding_window", None) is not None:
+        text.sliding_window = None
+
+
+def eos_token_ids(source: ModelSource, hf_config: Any, tokenizer: Any) -> frozenset[int]:
+    """Every token that ends a generation: the config's, the text config's, generation_config.json's
+    and the tokenizer's EOS."""
+    ids: set[int] = set()
+    for holder in (hf_config, text_config_of(hf_config), _generation_config(source)):
+        value = getattr(holder, "eos_token_id", None) if holder is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _generation_config(source: ModelSource) -> Any:
+    path = source.directory / "generation_config.json"
+    if source.gguf_file or not path.exists():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(str(source.directory))
