@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.layers import MergedLinear
+from vlm_engine.models.vision_blocks import activation
 
 PositionScheme = Literal["fixed", "bucketed"]
 
@@ -124,13 +125,12 @@ class SiglipAttention(nn.Module):
 class SiglipMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
-        if hidden_act != "gelu_pytorch_tanh":  # every released SigLIP tower; say so rather than guess
-            raise ValueError(f"unsupported SigLIP hidden_act {hidden_act!r} (have gelu_pytorch_tanh)")
         self.fc1 = nn.Linear(hidden_size, intermediate_size)
         self.fc2 = nn.Linear(intermediate_size, hidden_size)
+        self.act = activation(hidden_act)  # gelu_pytorch_tanh in every released SigLIP tower
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(self.act(self.fc1(x)))
 
 
 class SiglipEncoderLayer(nn.Module):

@@ -1,12 +1,15 @@
 """Blocks the Qwen-VL vision towers share (qwen2_5_vl/vision.py, qwen3_vl/vision.py): the patch embedding,
 the attention block and its attention within equal-length segments (windows, frames) as batched SDPA calls,
-the processor's patch positions, the exact-fp32 rotate-half RoPE, and the fused-ops extension for bf16 on
-the CPU."""
+the processor's patch positions, the axial RoPE (its theta, its cos/sin tables, the exact-fp32 rotate-half),
+the MLP activations by config name (SigLIP's too), and the fused-ops extension for bf16 on the CPU."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +102,44 @@ def merge_block_positions(grids: tuple[tuple[int, int, int], ...], merge: int) -
         cols = torch.arange(w).view(1, w // merge, 1, merge).expand(h // merge, w // merge, merge, merge)
         out.append(torch.stack([rows.flatten(), cols.flatten()], dim=-1).repeat(t, 1))
     return torch.cat(out)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A vision config's `hidden_act` as Transformers' ACT2FN computes it."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported vision hidden_act {name!r} (have {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def rope_theta(vision_config: Any) -> float:
+    """The tower's RoPE theta: Transformers 5's `rope_parameters`, else the older `rope_theta`, else 10000."""
+    rope = getattr(vision_config, "rope_parameters", None) or {}
+    return float(rope.get("rope_theta", getattr(vision_config, "rope_theta", 10000.0)))
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] in fp32 of the axial RoPE for [N, 2] (row, col) positions: angles of the
+    row axis, then the column axis, twice (the rotate-half layout). The inverse frequencies (head_dim // 4,
+    shared by both axes) are Transformers' expression, computed at first use so a tower builds on meta;
+    the same elementwise ops on tensors of Transformers' shapes, so even cos/sin (vectorised vs scalar
+    tails) give its bits."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    angles = positions[..., None].float() * inv_freq  # [N, 2, head_dim // 4]
+    tables = []
+    for table in (angles.cos(), angles.sin()):
+        axes = torch.cat([table[:, 0], table[:, 1]], dim=-1)
+        tables.append(torch.cat([axes, axes], dim=-1))
+    return tables[0], tables[1]
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

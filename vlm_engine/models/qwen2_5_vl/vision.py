@@ -31,7 +31,6 @@ shared with other jobs, min of 5 runs, ms (Transformers / ours / ours with prepa
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -40,53 +39,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.models.layers import RMSNorm
 from vlm_engine.models.vision_blocks import (
     PatchEmbed,
     SegmentGroup,
     VisionAttention,
+    activation,
     cpu_fused_ops,
     group_segments,
     merge_block_positions,
+    rope_tables,
+    rope_theta,
 )
 
 RMS_EPS = 1e-6  # Transformers' Qwen2_5_VLRMSNorm in the vision tower (not read from the config)
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-}
-
-
-def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    if name not in _ACTIVATIONS:
-        raise ValueError(f"unsupported vision hidden_act {name!r} (have {sorted(_ACTIVATIONS)})")
-    return _ACTIVATIONS[name]
-
-
 # --------------------------------------------------------------------------------------------
-# Positions and window order, per grid list
-
-
-def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
-    """The axial RoPE's inverse frequencies (head_dim // 4 of them, shared by the h and w axes), in
-    fp32 on the CPU with Transformers' expression: computed at first use, so the tower builds on meta."""
-    half = head_dim // 2
-    return 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, head_dim] in fp32: angles of the row axis, then the column axis, twice (the
-    rotate-half layout). The same elementwise ops on a tensor of the same shape as Transformers', so
-    even cos/sin (vectorised vs scalar tails) give its bits."""
-    angles = positions[..., None].float() * inv_freq  # [N, 2, head_dim // 4]
-    tables = []
-    for table in (angles.cos(), angles.sin()):
-        axes = torch.cat([table[:, 0], table[:, 1]], dim=-1)
-        tables.append(torch.cat([axes, axes], dim=-1))
-    return tables[0], tables[1]
+# Window order and the plan, per grid list
 
 
 def window_order(grids: tuple[tuple[int, int, int], ...], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -131,7 +100,7 @@ def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, window: int, head
     token_order = (group_order[:, None] * unit + torch.arange(unit)).flatten()
     merged_inverse = torch.empty_like(group_order)
     merged_inverse[group_order] = torch.arange(group_order.numel())
-    cos, sin = rope_tables(merge_block_positions(grids, merge), inverse_frequencies(head_dim, theta))
+    cos, sin = rope_tables(merge_block_positions(grids, merge), head_dim, theta)
     # Frames stay contiguous in window order, so full attention is per frame in either order.
     frame_lengths = [h * w for t, h, w in grids for _ in range(t)]
     return _Plan(
@@ -146,19 +115,6 @@ def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, window: int, head
 
 # --------------------------------------------------------------------------------------------
 # Modules (names as Transformers')
-
-
-class VisionRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = RMS_EPS) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Transformers' order: statistics in fp32, normalised value rounded to x's dtype, then weight.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -180,8 +136,8 @@ class GatedMLP(nn.Module):
 class VisionBlock(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.norm1 = VisionRMSNorm(config.hidden_size)
-        self.norm2 = VisionRMSNorm(config.hidden_size)
+        self.norm1 = RMSNorm(config.hidden_size, RMS_EPS)
+        self.norm2 = RMSNorm(config.hidden_size, RMS_EPS)
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
@@ -190,7 +146,7 @@ class PatchMerger(nn.Module):
     def __init__(self, hidden_size: int, out_hidden_size: int, merge: int) -> None:
         super().__init__()
         self.merged_size = hidden_size * merge * merge
-        self.ln_q = VisionRMSNorm(hidden_size)
+        self.ln_q = RMSNorm(hidden_size, RMS_EPS)
         self.mlp = nn.Sequential(
             nn.Linear(self.merged_size, self.merged_size), nn.GELU(), nn.Linear(self.merged_size, out_hidden_size)
         )
@@ -214,8 +170,7 @@ class Qwen25VisionTower(nn.Module):
         # Window side in merged groups: 112 px / 14 px per patch / 2 patches per group = 4.
         self.window_groups = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size
         self.fullatt_block_indexes = frozenset(cfg.fullatt_block_indexes)
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.rope_theta = rope_theta(cfg)
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size, bias=False)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg.hidden_size, cfg.out_hidden_size, cfg.spatial_merge_size)

@@ -1,4 +1,5 @@
-"""Qwen2-VL: our paged-KV decoder with M-RoPE, plus Transformers' own vision tower."""
+"""Qwen2-VL: the Qwen-VL shell (models/qwen_vl.py: our paged-KV decoder with M-RoPE), plus
+Transformers' own vision tower."""
 
 from __future__ import annotations
 
@@ -7,31 +8,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from vlm_engine.models.decoder import CausalLM, rope_parameters
+from vlm_engine.models.qwen_vl import QwenVLForConditionalGeneration
 
 
-class Qwen2VLForConditionalGeneration(CausalLM):
-    # Transformers 5 saves model.language_model.* / model.visual.*; the original release has model.* / visual.*.
-    checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
-    encoder_modules = ("visual",)  # prefill-sized products only: one weight layout when prepacked
-
+class Qwen2VLForConditionalGeneration(QwenVLForConditionalGeneration):
     def __init__(self, config: Any) -> None:
-        text_config = getattr(config, "text_config", None) or config
-        mrope_section = list(rope_parameters(text_config).get("mrope_section") or [16, 24, 24])
-        super().__init__(config, text_config, qkv_bias=True, mrope_section=mrope_section)
-        self.visual = _build_vision_tower(config.vision_config)
-        self.spatial_merge_size = config.vision_config.spatial_merge_size
+        super().__init__(config, _build_vision_tower, qkv_bias=True)
 
-    def encode_media(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Vision-tower outputs, one [num_placeholder_tokens, hidden] tensor per item, in one pass."""
-        dtype = next(self.visual.parameters()).dtype
-        device = next(self.visual.parameters()).device
-        pixels = torch.cat([p.to(device=device, dtype=dtype) for p in pixel_values])
-        grid_thw = torch.tensor(grids, dtype=torch.long, device=device)
+    def visual_features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         out = self.visual(pixels, grid_thw=grid_thw)
-        merged = out if isinstance(out, torch.Tensor) else out.pooler_output
-        sizes = [t * h * w // self.spatial_merge_size**2 for t, h, w in grids]
-        return list(merged.split(sizes))
+        return out if isinstance(out, torch.Tensor) else out.pooler_output  # Transformers 5 returns an output record
 
 
 def _build_vision_tower(vision_config: Any) -> nn.Module:

@@ -1,6 +1,6 @@
-"""Qwen3-VL: the Qwen3 decoder over paged KV (q/k RMSNorm, explicit head_dim, interleaved M-RoPE),
-DeepStack (features of chosen vision blocks added to the first decoder layers' outputs at the
-media tokens), and the MoE text variant's sparse MLP (Qwen3-VL-30B-A3B)."""
+"""Qwen3-VL: the Qwen-VL shell (models/qwen_vl.py) with the Qwen3 decoder over paged KV (q/k RMSNorm,
+explicit head_dim, interleaved M-RoPE), DeepStack (features of chosen vision blocks added to the first
+decoder layers' outputs at the media tokens), and the MoE text variant's sparse MLP (Qwen3-VL-30B-A3B)."""
 
 from __future__ import annotations
 
@@ -10,43 +10,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.models.decoder import CausalLM, rope_parameters
 from vlm_engine.models.layers import GatedMLP
 from vlm_engine.models.qwen3_vl.vision import Qwen3VisionTower
+from vlm_engine.models.qwen_vl import QwenVLForConditionalGeneration
 
 
-class Qwen3VLForConditionalGeneration(CausalLM):
-    # Transformers' names (the released checkpoints use them too) -> ours
-    checkpoint_renames = (("model.visual.", "visual."), ("model.language_model.", "model."))
-    encoder_modules = ("visual",)  # prefill-sized products only: one weight layout when prepacked
-
+class Qwen3VLForConditionalGeneration(QwenVLForConditionalGeneration):
     def __init__(self, config: Any) -> None:
         text_config = config.text_config
-        mrope_section = list(rope_parameters(text_config).get("mrope_section") or [24, 20, 20])
         super().__init__(
             config,
-            text_config,
+            Qwen3VisionTower,
+            default_mrope_section=(24, 20, 20),
             qkv_bias=bool(getattr(text_config, "attention_bias", False)),
-            mrope_section=mrope_section,
             qk_norm=True,
             mrope_interleaved=True,  # Transformers' Qwen3-VL always interleaves the axes
             mlp_factory=self._mlp_factory(text_config),
         )
-        self.visual = Qwen3VisionTower(config.vision_config)
-        self.spatial_merge_size = config.vision_config.spatial_merge_size
 
     def _mlp_factory(self, text_config: Any) -> Any:
         return None  # dense: GatedMLP in every layer
 
-    def encode_media(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """One [tokens, hidden * (1 + deepstack layers)] tensor per item: the merged features, then the
-        DeepStack features of each chosen vision block (the runner hands the columns past `hidden`
-        to the decoder as ForwardContext.media_features)."""
-        parameter = next(self.visual.parameters())
-        pixels = torch.cat([p.to(device=parameter.device, dtype=parameter.dtype) for p in pixel_values])
-        merged, deepstack = self.visual(pixels, torch.tensor(grids, dtype=torch.long, device=parameter.device))
-        merged = torch.cat([merged, *deepstack], dim=1)
-        return list(merged.split([t * h * w // self.spatial_merge_size**2 for t, h, w in grids]))
+    def visual_features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden * (1 + deepstack layers)]: the merged features, then the DeepStack features of
+        each chosen vision block (the runner hands the columns past `hidden` to the decoder as
+        ForwardContext.media_features)."""
+        merged, deepstack = self.visual(pixels, grid_thw)
+        return torch.cat([merged, *deepstack], dim=1)
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):

@@ -9,53 +9,30 @@ sum: frames / images of equal length attend in ONE batched SDPA call (Transforme
 them); positions, RoPE tables and the resampling taps are built once per grid list (cached); the
 residual adds run in place. In bfloat16 on the CPU, RoPE runs in place on the qkv output through
 the fused-ops extension (products rounded to bf16 where Transformers rounds once from fp32).
-
-(Model families import nothing from one another, so the segment-attention and RoPE helpers repeat
-those of qwen2_5_vl/vision.py.)
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.vision_blocks import (
     PatchEmbed,
     SegmentGroup,
     VisionAttention,
+    activation,
     cpu_fused_ops,
     group_segments,
     merge_block_positions,
+    rope_tables,
+    rope_theta,
 )
 
 LN_EPS = 1e-6  # Transformers' vision LayerNorms (blocks and mergers), not read from the config
-
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh"),
-    "gelu": F.gelu,
-    "silu": F.silu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-}
-
-
-def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, head_dim] fp32 of the axial RoPE (row angles, column angles, twice), with
-    Transformers' ops on tensors of its shapes (even cos/sin's vectorised tails then match)."""
-    half = head_dim // 2
-    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-    angles = positions[..., None].float() * inv_freq  # [N, 2, head_dim // 4]
-    tables = []
-    for table in (angles.cos(), angles.sin()):
-        axes = torch.cat([table[:, 0], table[:, 1]], dim=-1)
-        tables.append(torch.cat([axes, axes], dim=-1))
-    return tables[0], tables[1]
-
 
 def _axis_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Bilinear taps (2 per position) into a `side`-long table and their weights, align_corners=True:
@@ -102,11 +79,9 @@ def _plan(grids: tuple[tuple[int, int, int], ...], merge: int, head_dim: int, th
 class VisionMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
         super().__init__()
-        if hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported vision hidden_act {hidden_act!r} (have {sorted(_ACTIVATIONS)})")
         self.linear_fc1 = nn.Linear(hidden_size, intermediate_size, bias=True)
         self.linear_fc2 = nn.Linear(intermediate_size, hidden_size, bias=True)
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act(self.linear_fc1(x)))
@@ -150,8 +125,7 @@ class Qwen3VisionTower(nn.Module):
         self.spatial_merge_size = cfg.spatial_merge_size
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.out_hidden_size = cfg.out_hidden_size
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        self.rope_theta = float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        self.rope_theta = rope_theta(cfg)
         self.num_grid_per_side = int(cfg.num_position_embeddings**0.5)
         self.patch_embed = PatchEmbed(cfg.patch_size, cfg.temporal_patch_size, cfg.in_channels, cfg.hidden_size, bias=True)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
