@@ -7,17 +7,15 @@ server call into it.
 from preprocess.errors import MediaError
 from preprocess.hashing import hash_bytes, hash_to_int, image_content_hash
 from preprocess.media import (
-    DEFAULT_LIMITS,
-    MediaLimits,
+    DEFAULT_MEDIA,
     decode_image,
     load_image,
     load_image_async,
 )
 
 __all__ = [
-    "DEFAULT_LIMITS",
+    "DEFAULT_MEDIA",
     "MediaError",
-    "MediaLimits",
     "decode_image",
     "hash_bytes",
     "hash_to_int",

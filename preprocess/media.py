@@ -33,9 +33,10 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from preprocess.errors import MediaError
 from preprocess.url_guard import PinnedUrl, check_domain, pin_url, resolve, split_target
+from vlm_engine.config import MediaConfig
 
 __all__ = [
-    "MediaLimits",
+    "DEFAULT_MEDIA",
     "decode_image",
     "fetch_http_async",
     "is_http_url",
@@ -45,58 +46,8 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class MediaLimits:
-    """Per-deployment limits on media a request may reference."""
-
-    # Encoded size cap: data URI payload, HTTP body, local file.
-    max_image_bytes: int = 20 * 1024 * 1024
-    max_video_bytes: int = 64 * 1024 * 1024
-    # Encoded size of one file part (a PDF: preprocess.pdf); its pages then count as images.
-    max_file_bytes: int = 32 * 1024 * 1024
-    # width*height cap checked from the header before the full decode
-    # (decompression-bomb guard).
-    max_image_pixels: int = 40_000_000
-    # Per network operation *and* overall budget of one download: images, then videos and files
-    # (vLLM's defaults, 5 and 30 s; a file part can be as large as a video).
-    fetch_timeout_s: float = 5.0
-    video_fetch_timeout_s: float = 30.0
-    max_redirects: int = 3
-    # Local files are only served from under this directory (after resolving
-    # symlinks and ".."). None refuses every local path.
-    allowed_local_media_path: str | None = None
-    # URLs that resolve to loopback, private, link-local, multicast, unspecified or reserved
-    # addresses are refused unless this is set (intranets, tests): see preprocess.url_guard.
-    allow_private_urls: bool = False
-    # When set, only these hosts (and their subdomains) are fetched from.
-    allowed_domains: tuple[str, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_image_bytes <= 0 or self.max_video_bytes <= 0 or self.max_file_bytes <= 0:
-            raise ValueError("max_image_bytes, max_video_bytes and max_file_bytes must be positive")
-        if self.max_image_pixels <= 0:
-            raise ValueError("max_image_pixels must be positive")
-        if self.fetch_timeout_s <= 0 or self.video_fetch_timeout_s <= 0:
-            raise ValueError("fetch_timeout_s and video_fetch_timeout_s must be positive")
-        if self.max_redirects < 0:
-            raise ValueError("max_redirects must be >= 0")
-        if self.allowed_domains is not None:
-            object.__setattr__(
-                self, "allowed_domains", tuple(d.strip().lower().rstrip(".") for d in self.allowed_domains if d.strip())
-            )
-        if self.allowed_local_media_path == "":
-            # realpath("") is the CWD; an empty string is far more likely a
-            # config mistake than a request to expose the working directory.
-            raise ValueError("allowed_local_media_path must be None or a directory")
-
-    def max_bytes(self, kind: str) -> int:
-        return {"video": self.max_video_bytes, "file": self.max_file_bytes}.get(kind, self.max_image_bytes)
-
-    def timeout_s(self, kind: str) -> float:
-        return self.video_fetch_timeout_s if kind in ("video", "file") else self.fetch_timeout_s
-
-
-DEFAULT_LIMITS = MediaLimits()
+# The limits a caller that gives none gets: the engine's defaults (vlm_engine.config.MediaConfig).
+DEFAULT_MEDIA = MediaConfig()
 
 # Formats a VLM client plausibly sends. Pillow can open many more, but some
 # plugins are rarely exercised (more parser bugs) and EPS would shell out to
@@ -223,11 +174,11 @@ def _path_from_file_url(url: str) -> str:
 # --------------------------------------------------------------------------
 
 
-def _too_large(limits: MediaLimits, kind: str = "image") -> MediaError:
+def _too_large(limits: MediaConfig, kind: str = "image") -> MediaError:
     return MediaError(f"{kind} too large: more than {limits.max_bytes(kind)} bytes")
 
 
-def _decode_data_uri(uri: _DataUri, limits: MediaLimits, kind: str = "image") -> bytes:
+def _decode_data_uri(uri: _DataUri, limits: MediaConfig, kind: str = "image") -> bytes:
     # Reject on the encoded length first so an oversized payload is never
     # decoded into memory. 4 base64 chars carry 3 bytes.
     if len(uri.payload) > 4 * -(-limits.max_bytes(kind) // 3):
@@ -245,7 +196,7 @@ def _decode_data_uri(uri: _DataUri, limits: MediaLimits, kind: str = "image") ->
     return data
 
 
-def _read_local_file(local: _LocalPath, limits: MediaLimits, kind: str = "image") -> bytes:
+def _read_local_file(local: _LocalPath, limits: MediaConfig, kind: str = "image") -> bytes:
     if limits.allowed_local_media_path is None:
         raise MediaError("local file paths are not allowed on this server")
     if "\0" in local.path:
@@ -305,7 +256,7 @@ def _ssl_context() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-def _http_client_kwargs(limits: MediaLimits, kind: str) -> dict:
+def _http_client_kwargs(limits: MediaConfig, kind: str) -> dict:
     return {
         "verify": _ssl_context(),
         "follow_redirects": False,  # followed hop by hop, each hop checked and pinned (url_guard)
@@ -316,7 +267,7 @@ def _http_client_kwargs(limits: MediaLimits, kind: str) -> dict:
     }
 
 
-def _check_http_response(response: httpx.Response, limits: MediaLimits, kind: str = "image") -> None:
+def _check_http_response(response: httpx.Response, limits: MediaConfig, kind: str = "image") -> None:
     if not response.is_success:
         raise MediaError(f"failed to fetch {kind}: HTTP {response.status_code}")
     declared = response.headers.get("content-length", "")
@@ -326,7 +277,7 @@ def _check_http_response(response: httpx.Response, limits: MediaLimits, kind: st
         raise _too_large(limits, kind)
 
 
-def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: float, kind: str = "image") -> None:
+def _append_chunk(body: bytearray, chunk: bytes, limits: MediaConfig, deadline: float, kind: str = "image") -> None:
     body += chunk
     if len(body) > limits.max_bytes(kind):
         raise _too_large(limits, kind)
@@ -336,11 +287,11 @@ def _append_chunk(body: bytearray, chunk: bytes, limits: MediaLimits, deadline: 
         raise _fetch_timeout(limits, kind)
 
 
-def _fetch_timeout(limits: MediaLimits, kind: str = "image") -> MediaError:
+def _fetch_timeout(limits: MediaConfig, kind: str = "image") -> MediaError:
     return MediaError(f"timed out fetching {kind} (limit {limits.timeout_s(kind):g}s)")
 
 
-def _http_error(exc: BaseException, limits: MediaLimits, kind: str = "image") -> MediaError:
+def _http_error(exc: BaseException, limits: MediaConfig, kind: str = "image") -> MediaError:
     if isinstance(exc, (httpx.TimeoutException, TimeoutError)):
         return _fetch_timeout(limits, kind)
     if isinstance(exc, httpx.TooManyRedirects):
@@ -353,7 +304,7 @@ def _request_args(pinned: PinnedUrl) -> dict:
     return {"headers": {"Host": pinned.host_header}, "extensions": {"sni_hostname": pinned.server_name}}
 
 
-def _next_hop(url: str, response: httpx.Response, hops: int, limits: MediaLimits, kind: str) -> str | None:
+def _next_hop(url: str, response: httpx.Response, hops: int, limits: MediaConfig, kind: str) -> str | None:
     """The redirect target, or None when the response is the answer."""
     location = response.headers.get("location")
     if not response.is_redirect or location is None:
@@ -363,15 +314,15 @@ def _next_hop(url: str, response: httpx.Response, hops: int, limits: MediaLimits
     return urljoin(url, location)
 
 
-def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+def _fetch_http(url: str, limits: MediaConfig, kind: str = "image") -> bytes:
     deadline = time.monotonic() + limits.timeout_s(kind)
     body = bytearray()
     try:
         with httpx.Client(**_http_client_kwargs(limits, kind)) as client:
             for hops in range(limits.max_redirects + 1):
                 _, host, port = split_target(url, kind)
-                check_domain(host, limits.allowed_domains, kind)
-                pinned = pin_url(url, resolve(host, port), limits.allow_private_urls, kind)
+                check_domain(host, limits.allowed_media_domains, kind)
+                pinned = pin_url(url, resolve(host, port), limits.allow_private_media_urls, kind)
                 with client.stream("GET", pinned.connect_url, **_request_args(pinned)) as response:
                     target = _next_hop(url, response, hops, limits, kind)
                     if target is not None:
@@ -388,7 +339,7 @@ def _fetch_http(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
     raise MediaError(f"failed to fetch {kind}: more than {limits.max_redirects} redirects")
 
 
-async def fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -> bytes:
+async def fetch_http_async(url: str, limits: MediaConfig, kind: str = "image") -> bytes:
     """The body an http(s) URL answers with, under every check `load_image` applies to URLs
     (the server's API process fetches with it: vlm_engine.server.media_fetch)."""
     deadline = time.monotonic() + limits.timeout_s(kind)
@@ -401,10 +352,10 @@ async def fetch_http_async(url: str, limits: MediaLimits, kind: str = "image") -
             async with httpx.AsyncClient(**_http_client_kwargs(limits, kind)) as client:
                 for hops in range(limits.max_redirects + 1):
                     _, host, port = split_target(url, kind)
-                    check_domain(host, limits.allowed_domains, kind)
+                    check_domain(host, limits.allowed_media_domains, kind)
                     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
                     addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
-                    pinned = pin_url(url, addresses, limits.allow_private_urls, kind)
+                    pinned = pin_url(url, addresses, limits.allow_private_media_urls, kind)
                     async with client.stream("GET", pinned.connect_url, **_request_args(pinned)) as response:
                         target = _next_hop(url, response, hops, limits, kind)
                         if target is not None:
@@ -436,7 +387,7 @@ def _image_formats() -> tuple[str, ...]:
     return _allowed_formats
 
 
-def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:
+def _check_pixels(size: tuple[int, int], limits: MediaConfig) -> None:
     width, height = size
     if width <= 0 or height <= 0:
         raise MediaError(f"invalid image size {width}x{height}")
@@ -453,7 +404,7 @@ def _check_pixels(size: tuple[int, int], limits: MediaLimits) -> None:
         raise MediaError(f"image too large: {width}x{height} = {pixels} pixels exceeds the limit of {limit}")
 
 
-def decode_image(data: bytes, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+def decode_image(data: bytes, limits: MediaConfig = DEFAULT_MEDIA) -> Image.Image:
     """Decode encoded image bytes into a validated RGB image (first frame)."""
     if not data:
         raise MediaError("could not decode image: no data")
@@ -483,7 +434,7 @@ def _describe(exc: BaseException) -> str:
     return (str(exc) or type(exc).__name__)[:_MAX_DETAIL_CHARS]
 
 
-def _normalize(image: Image.Image, limits: MediaLimits) -> Image.Image:
+def _normalize(image: Image.Image, limits: MediaConfig) -> Image.Image:
     """Validate and convert to the engine's canonical form; returns a new image.
 
     PIL images passed by the caller go through here too, so every source gets
@@ -548,7 +499,7 @@ def _high_bit_depth_to_l(image: Image.Image) -> Image.Image:
 # --------------------------------------------------------------------------
 
 
-def _load_offline(source: _Source, limits: MediaLimits) -> Image.Image:
+def _load_offline(source: _Source, limits: MediaConfig) -> Image.Image:
     """Everything that needs no network: blocking file I/O and CPU work."""
     if isinstance(source, Image.Image):
         try:
@@ -566,7 +517,7 @@ def _load_offline(source: _Source, limits: MediaLimits) -> Image.Image:
     return decode_image(data, limits)
 
 
-def load_image(source: str | bytes | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+def load_image(source: str | bytes | Image.Image, limits: MediaConfig = DEFAULT_MEDIA) -> Image.Image:
     """Load, validate and decode an image into a new RGB ``PIL.Image``. ``bytes`` are an encoded
     image (e.g. what the server's API process already fetched from a URL).
 
@@ -580,7 +531,7 @@ def load_image(source: str | bytes | Image.Image, limits: MediaLimits = DEFAULT_
     return _load_offline(parsed, limits)
 
 
-async def load_image_async(source: str | Image.Image, limits: MediaLimits = DEFAULT_LIMITS) -> Image.Image:
+async def load_image_async(source: str | Image.Image, limits: MediaConfig = DEFAULT_MEDIA) -> Image.Image:
     """Async ``load_image``: network I/O on the event loop, decoding in a thread."""
     parsed = _parse_source(source)
     if isinstance(parsed, _HttpUrl):
@@ -589,7 +540,7 @@ async def load_image_async(source: str | Image.Image, limits: MediaLimits = DEFA
     return await asyncio.to_thread(_load_offline, parsed, limits)
 
 
-def load_media_bytes(source: str | bytes, limits: MediaLimits = DEFAULT_LIMITS, kind: str = "video") -> bytes:
+def load_media_bytes(source: str | bytes, limits: MediaConfig = DEFAULT_MEDIA, kind: str = "video") -> bytes:
     """The encoded bytes a source names (data URI, http(s) URL, allowed local path), under the
     same checks as images and `limits.max_bytes(kind)`. Videos are decoded elsewhere
     (`preprocess.video`): a container needs seeking, not one decode call."""

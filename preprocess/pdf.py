@@ -21,7 +21,8 @@ from typing import Any, Self
 from PIL import Image
 
 from preprocess.errors import MediaError
-from preprocess.media import MediaLimits, load_media_bytes
+from preprocess.media import load_media_bytes
+from vlm_engine.config import MediaConfig
 
 PDF_LONGEST_SIDE = 1288  # olmOCR's page size: enough for print-sized text
 PDF_MAGIC = b"%PDF-"
@@ -95,7 +96,7 @@ def check_pdf(data: bytes) -> None:
         raise MediaError("only PDF files are supported (the file does not start with %PDF-)")
 
 
-def file_part_bytes(file: Any, limits: MediaLimits) -> bytes:
+def file_part_bytes(file: Any, limits: MediaConfig) -> bytes:
     """The bytes a chat file part's `file` object names, under `limits.max_file_bytes`; checked to be a
     PDF. Raises MediaError (the caller names the part)."""
     if not isinstance(file, dict):
@@ -120,7 +121,7 @@ def file_part_bytes(file: Any, limits: MediaLimits) -> bytes:
     return out
 
 
-def _decode_file_data(text: str, limits: MediaLimits) -> bytes:
+def _decode_file_data(text: str, limits: MediaConfig) -> bytes:
     """A base64 data URL or, as some clients send it, bare base64: a URL or path has characters
     outside the base64 alphabet (':' at least), so the two cannot be confused."""
     payload = text

@@ -19,38 +19,28 @@ from PIL import Image
 
 from preprocess.errors import MediaError, PromptError
 from preprocess.family_prompts import FamilyPrompts
-from preprocess.media import DEFAULT_LIMITS, MediaLimits, load_image, load_media_bytes
+from preprocess.media import DEFAULT_MEDIA, load_image, load_media_bytes
 from preprocess.pdf import PdfDocument, file_part_bytes
-from preprocess.video import DecodedVideo, FrameCache, VideoLimits, VideoSampling, load_video
+from preprocess.video import DecodedVideo, FrameCache, load_video
+from vlm_engine.config import MediaConfig
 from vlm_engine.inputs import MediaInput, ProcessedPrompt, context_exceeded
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class PromptProcessor:
-    """Turns requests into `ProcessedPrompt`s for one model, through its family's `FamilyPrompts`
-    (built by `vlm_engine.models.registry.prompt_processor`)."""
+    """Turns requests into `ProcessedPrompt`s for one model, through its family's `FamilyPrompts`,
+    under `media` (the engine's MediaConfig: limits, media per prompt, video sampling); built by
+    `vlm_engine.models.registry.prompt_processor`, for the in-process engine and the server alike."""
 
-    def __init__(
-        self,
-        family: FamilyPrompts,
-        vocab_size: int,
-        limits: MediaLimits = DEFAULT_LIMITS,
-        max_images: int | None = None,
-        max_videos: int | None = None,
-        video_limits: VideoLimits | None = None,
-        video_sampling: VideoSampling | None = None,
-        frame_cache: FrameCache | None = None,
-    ) -> None:
+    def __init__(self, family: FamilyPrompts, vocab_size: int, media: MediaConfig = DEFAULT_MEDIA) -> None:
         self.family = family
         self.tokenizer = family.tokenizer
         self.vocab_size = vocab_size
-        self.limits = limits
-        self.max_images = max_images
-        self.max_videos = max_videos
-        self.video_limits = video_limits or VideoLimits(max_video_bytes=limits.max_video_bytes)
-        self.video_sampling = video_sampling or VideoSampling()  # the server's --video-fps/--video-max-frames
-        self.frame_cache = frame_cache if frame_cache is not None else FrameCache()
+        self.media = media
+        self.max_images = media.limit_mm_per_prompt.image
+        self.max_videos = media.limit_mm_per_prompt.video
+        self.frame_cache = FrameCache(media.video_frame_cache_bytes)
         # (kind, seconds) per media step since the last take_media_timings(): the server's metrics.
         self.media_timings: list[tuple[str, float]] = []
         self._media_deadline: float | None = None  # the request being converted (from_messages)
@@ -160,34 +150,34 @@ class PromptProcessor:
 
     # ---- internals ------------------------------------------------------------------------
 
-    def _request_sampling(self, kwargs: dict[str, Any] | None) -> VideoSampling:
+    def _request_sampling(self, kwargs: dict[str, Any] | None) -> MediaConfig:
         if not kwargs:
-            return self.video_sampling
+            return self.media
         if not isinstance(kwargs, dict):
             raise PromptError("mm_processor_kwargs must be an object", param="mm_processor_kwargs")
-        return self._sampling_from(kwargs, self.video_sampling, "mm_processor_kwargs")
+        return self._sampling_from(kwargs, self.media, "mm_processor_kwargs")
 
-    def _sampling_from(self, fields: dict[str, Any], base: VideoSampling, where: str) -> VideoSampling:
-        """`fps` / `max_frames` from a part or mm_processor_kwargs, over `base`, within the limits."""
-        fps, max_frames = fields.get("fps", base.fps), fields.get("max_frames", base.max_frames)
+    def _sampling_from(self, fields: dict[str, Any], base: MediaConfig, where: str) -> MediaConfig:
+        """`base` with the `fps` / `max_frames` of a part or mm_processor_kwargs, within the limits."""
+        fps, max_frames = fields.get("fps", base.video_fps), fields.get("max_frames", base.video_max_frames)
         if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not 0 < fps <= 60:
             raise PromptError(f"{where}: fps must be a number in (0, 60], got {fps!r}", param=where)
         if isinstance(max_frames, bool) or not isinstance(max_frames, int) or max_frames < 1:
             raise PromptError(f"{where}: max_frames must be a positive integer, got {max_frames!r}", param=where)
-        if max_frames > self.video_limits.max_frames:
+        if max_frames > base.max_video_frames:
             raise PromptError(
-                f"{where}: max_frames {max_frames} is above this server's limit of {self.video_limits.max_frames}",
+                f"{where}: max_frames {max_frames} is above this server's limit of {base.max_video_frames}",
                 param=where,
             )
-        return VideoSampling(fps=float(fps), max_frames=max_frames)
+        return base.sampled_at(float(fps), max_frames)
 
     def _convert_messages(
-        self, messages: Any, sampling: VideoSampling | None = None
+        self, messages: Any, sampling: MediaConfig | None = None
     ) -> tuple[list[dict[str, Any]], list[Image.Image], list[DecodedVideo]]:
         """OpenAI message list -> the Transformers chat format, loading every image and video on the way."""
         if not isinstance(messages, list) or not messages:
             raise PromptError("messages must be a non-empty list", param="messages")
-        sampling = sampling or self.video_sampling
+        sampling = sampling or self.media
         converted: list[dict[str, Any]] = []
         images: list[Image.Image] = []
         videos: list[DecodedVideo] = []
@@ -225,7 +215,7 @@ class PromptProcessor:
         return converted, images, videos
 
     def _convert_part(
-        self, part: Any, where: str, images: list[Image.Image], videos: list[DecodedVideo], sampling: VideoSampling
+        self, part: Any, where: str, images: list[Image.Image], videos: list[DecodedVideo], sampling: MediaConfig
     ) -> list[dict[str, Any]]:
         """One OpenAI content part -> its chat-template parts: one, or one image per page of a PDF."""
         if not isinstance(part, dict) or "type" not in part:
@@ -241,7 +231,7 @@ class PromptProcessor:
         where: str,
         images: list[Image.Image],
         videos: list[DecodedVideo],
-        sampling: VideoSampling,
+        sampling: MediaConfig,
     ) -> dict[str, Any]:
         kind = part["type"]
         if kind == "text":
@@ -260,7 +250,7 @@ class PromptProcessor:
             self._check_budget(where)
             try:
                 with self._timed("image_decode"):
-                    images.append(load_image(source, self.limits))
+                    images.append(load_image(source, self.media))
             except ValueError as exc:
                 message = getattr(exc, "message", str(exc))
                 raise PromptError(message, param=where) from exc
@@ -280,12 +270,12 @@ class PromptProcessor:
             raise PromptError("this model does not accept images (PDF pages are sent as images)", param=where)
         self._check_budget(where)
         try:
-            with self._timed("pdf_render"), PdfDocument(file_part_bytes(part.get("file"), self.limits)) as pdf:
+            with self._timed("pdf_render"), PdfDocument(file_part_bytes(part.get("file"), self.media)) as pdf:
                 self._check_page_count(pdf.pages, len(images), where)
                 for index in range(pdf.pages):
                     self._check_budget(where)
                     # Through the image loader, as the batch CLI's PNG pages go: same checks, same pixels.
-                    images.append(load_image(pdf.render(index), self.limits))
+                    images.append(load_image(pdf.render(index), self.media))
         except MediaError as exc:
             raise PromptError(f"{where}: {exc.message}", param=where) from exc
         return pdf.pages
@@ -301,7 +291,7 @@ class PromptProcessor:
             )
 
     def _load_video_part(
-        self, part: dict[str, Any], kind: str, where: str, sampling: VideoSampling, loaded: int
+        self, part: dict[str, Any], kind: str, where: str, sampling: MediaConfig, loaded: int
     ) -> DecodedVideo:
         """`{"type": "video_url", "video_url": {"url": ..., "fps"?, "max_frames"?}}` or
         `{"type": "video", "video": <path | URL | bytes>, "fps"?, "max_frames"?}`."""
@@ -321,10 +311,8 @@ class PromptProcessor:
         choose, sampler_id = self.family.frame_chooser()
         try:
             with self._timed("video_extraction"):
-                data = load_media_bytes(source, self.limits, "video")
-                return load_video(
-                    data, wanted, choose, self.video_limits, self.frame_cache, sampler_id, self._media_deadline
-                )
+                data = load_media_bytes(source, self.media, "video")
+                return load_video(data, wanted, choose, self.frame_cache, sampler_id, self._media_deadline)
         except MediaError as exc:
             raise PromptError(f"{where}: {exc.message}", param=where) from exc
 

@@ -29,13 +29,13 @@ import numpy as np
 
 from preprocess.errors import MediaError
 from preprocess.hashing import hash_bytes, hash_to_int
+from preprocess.media import DEFAULT_MEDIA
+from vlm_engine.config import MediaConfig
 
 __all__ = [
     "DecodedVideo",
     "FrameCache",
     "VideoInfo",
-    "VideoLimits",
-    "VideoSampling",
     "decode_frames",
     "load_video",
     "probe",
@@ -46,36 +46,6 @@ __all__ = [
 # Container families a client plausibly sends (FFmpeg's demuxer names). Anything else that FFmpeg
 # could open (images, playlists, raw streams) is refused before it reaches a decoder.
 _CONTAINERS = ("mov", "mp4", "matroska", "webm", "avi")
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    """Per-deployment limits on a video part."""
-
-    max_video_bytes: int = 64 * 1024 * 1024
-    max_duration_s: float = 600.0
-    max_frames: int = 256  # most frames one request may sample from one video
-    max_frame_pixels: int = 4096 * 2160  # width*height of one frame
-    max_decoded_pixels: int = 256 * 1280 * 720  # frames sampled x width x height
-
-    def __post_init__(self) -> None:
-        for name in ("max_video_bytes", "max_duration_s", "max_frames", "max_frame_pixels", "max_decoded_pixels"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-
-
-@dataclass(frozen=True)
-class VideoSampling:
-    """Which frames a request wants: `fps` frames per second of video, at most `max_frames`."""
-
-    fps: float = 2.0
-    max_frames: int = 32
-
-    def __post_init__(self) -> None:
-        if not self.fps > 0:
-            raise MediaError(f"video fps must be positive, got {self.fps}")
-        if self.max_frames < 1:
-            raise MediaError(f"video max_frames must be at least 1, got {self.max_frames}")
 
 
 @dataclass(frozen=True)
@@ -183,10 +153,9 @@ def _scan_packets(container: Any, stream: Any) -> tuple[list[int], list[int]]:
     return pts, keys
 
 
-def probe(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
+def probe(data: bytes, limits: MediaConfig = DEFAULT_MEDIA) -> VideoInfo:
     """Reads the container and every packet header (no decoding); checks the limits that the
     file alone decides."""
-    limits = limits or VideoLimits()
     if len(data) > limits.max_video_bytes:
         raise MediaError(f"video too large: more than {limits.max_video_bytes} bytes")
     container = _open(data)
@@ -195,8 +164,10 @@ def probe(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
         width, height = int(stream.codec_context.width), int(stream.codec_context.height)
         if width <= 0 or height <= 0:
             raise MediaError("the video stream has no frame size (corrupt header)")
-        if width * height > limits.max_frame_pixels:
-            raise MediaError(f"video frames too large: {width}x{height}, at most {limits.max_frame_pixels} pixels each")
+        if width * height > limits.max_video_frame_pixels:
+            raise MediaError(
+                f"video frames too large: {width}x{height}, at most {limits.max_video_frame_pixels} pixels each"
+            )
         pts, keys = _scan_packets(container, stream)
         if not pts:
             raise MediaError("the video has no frames")
@@ -207,8 +178,10 @@ def probe(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
         span_s = (pts[-1] - pts[0]) * time_base
         average_fps = float(rate) if rate else (len(pts) / span_s if span_s > 0 else 1.0)
         duration_s = len(pts) / average_fps
-        if duration_s > limits.max_duration_s:
-            raise MediaError(f"the video is {duration_s:.1f} s long; at most {limits.max_duration_s:g} s are allowed")
+        if duration_s > limits.max_video_seconds:
+            raise MediaError(
+                f"the video is {duration_s:.1f} s long; at most {limits.max_video_seconds:g} s are allowed"
+            )
         return VideoInfo(
             container=container.format.name,
             codec=stream.codec_context.name,
@@ -227,12 +200,12 @@ def probe(data: bytes, limits: VideoLimits | None = None) -> VideoInfo:
 # ---- choosing frames ----------------------------------------------------------------------
 
 
-def uniform_indices(info: VideoInfo, sampling: VideoSampling) -> list[int]:
-    """`fps` frames per second of video, evenly spread, at most `max_frames` (and at least one):
-    the rule of Transformers' default video sampler, for models without a video processor."""
+def uniform_indices(info: VideoInfo, media: MediaConfig) -> list[int]:
+    """`video_fps` frames per second of video, evenly spread, at most `video_max_frames` (and at least
+    one): the rule of Transformers' default video sampler, for models without a video processor."""
     total = info.num_frames
-    wanted = int(total / info.average_fps * sampling.fps)
-    n = max(1, min(wanted, sampling.max_frames, total))
+    wanted = int(total / info.average_fps * media.video_fps)
+    n = max(1, min(wanted, media.video_max_frames, total))
     return [int(i) for i in np.arange(n, dtype=np.int64) * total // n]
 
 
@@ -252,15 +225,15 @@ def hf_video_metadata(info: VideoInfo, indices: list[int] | None = None) -> Any:
     )
 
 
-def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], list[int]]:
+def hf_indices(video_processor: Any) -> Callable[[VideoInfo, MediaConfig], list[int]]:
     """The model's own Hugging Face video processor chooses (its `sample_frames` on the metadata
     its PyAV reader would build), so our frames are the ones Transformers would feed the model."""
     sample = video_processor.sample_frames
 
-    def choose(info: VideoInfo, sampling: VideoSampling) -> list[int]:
+    def choose(info: VideoInfo, media: MediaConfig) -> list[int]:
         metadata = hf_video_metadata(info)
         try:
-            indices = sample(metadata, fps=sampling.fps, max_frames=sampling.max_frames)
+            indices = sample(metadata, fps=media.video_fps, max_frames=media.video_max_frames)
         except ValueError as exc:
             raise MediaError(f"cannot sample frames from this video: {exc}") from None
         except ZeroDivisionError:
@@ -269,13 +242,13 @@ def hf_indices(video_processor: Any) -> Callable[[VideoInfo, VideoSampling], lis
             step = getattr(video_processor, "temporal_patch_size", None) or 1
             raise MediaError(
                 f"cannot sample frames from this video: the model takes frames in groups of {step}, and "
-                f"{info.num_frames} frame(s) with max_frames {sampling.max_frames} make no whole group"
+                f"{info.num_frames} frame(s) with max_frames {media.video_max_frames} make no whole group"
             ) from None
         chosen = [int(i) for i in np.asarray(indices).reshape(-1)]
-        if len(chosen) > sampling.max_frames and "num_frames" in inspect.signature(sample).parameters:
+        if len(chosen) > media.video_max_frames and "num_frames" in inspect.signature(sample).parameters:
             # A sampler that caps with its own max_frames attribute and ignores ours (Qwen3-VL's): ask it
             # for our cap's count, spread over the clip as its own cap would be.
-            chosen = [int(i) for i in np.asarray(sample(metadata, num_frames=sampling.max_frames)).reshape(-1)]
+            chosen = [int(i) for i in np.asarray(sample(metadata, num_frames=media.video_max_frames)).reshape(-1)]
         return chosen
 
     return choose
@@ -306,20 +279,19 @@ def decode_frames(
     data: bytes,
     info: VideoInfo,
     indices: Sequence[int],
-    limits: VideoLimits | None = None,
+    limits: MediaConfig = DEFAULT_MEDIA,
     deadline: float | None = None,
 ) -> DecodedVideo:
     """Decodes the frames at `indices` (presentation order) and no more than it must."""
     import av
 
-    limits = limits or VideoLimits()
     if not indices:
         raise MediaError("no frames were chosen from the video")
-    if len(indices) > limits.max_frames:
-        raise MediaError(f"{len(indices)} frames were asked for; at most {limits.max_frames} per video")
-    if len(indices) * info.width * info.height > limits.max_decoded_pixels:
+    if len(indices) > limits.max_video_frames:
+        raise MediaError(f"{len(indices)} frames were asked for; at most {limits.max_video_frames} per video")
+    if len(indices) * info.width * info.height > limits.max_video_pixels:
         raise MediaError(
-            f"{len(indices)} frames of {info.width}x{info.height} exceed the {limits.max_decoded_pixels}-pixel "
+            f"{len(indices)} frames of {info.width}x{info.height} exceed the {limits.max_video_pixels}-pixel "
             "budget per video; ask for fewer frames (fps, max_frames)"
         )
     if min(indices) < 0 or max(indices) >= info.num_frames:
@@ -446,23 +418,21 @@ class FrameCache:
 
 def load_video(
     data: bytes,
-    sampling: VideoSampling,
-    choose: Callable[[VideoInfo, VideoSampling], list[int]] = uniform_indices,
-    limits: VideoLimits | None = None,
+    media: MediaConfig,
+    choose: Callable[[VideoInfo, MediaConfig], list[int]] = uniform_indices,
     cache: FrameCache | None = None,
     sampler_id: str = "uniform",
     deadline: float | None = None,
 ) -> DecodedVideo:
-    """Probe, choose, decode; through `cache` when given (the key is the file's hash, not its URL).
-    `deadline` (time.monotonic()): decoding stops with a MediaError once it has passed."""
-    limits = limits or VideoLimits()
-    if sampling.max_frames > limits.max_frames:
-        raise MediaError(f"max_frames {sampling.max_frames} is above this server's limit of {limits.max_frames}")
-    key = (hash_bytes(data), sampling.fps, sampling.max_frames, sampler_id)
+    """Probe, choose (at `media.video_fps`, at most `media.video_max_frames`: a request's own sampling
+    is `media.sampled_at(...)`), decode under `media`'s limits; through `cache` when given (the key is
+    the file's hash, not its URL). `deadline` (time.monotonic()): decoding stops with a MediaError
+    once it has passed."""
+    key = (hash_bytes(data), media.video_fps, media.video_max_frames, sampler_id)
     if cache is not None and (hit := cache.get(key)) is not None:
         return hit
-    info = probe(data, limits)
-    video = decode_frames(data, info, choose(info, sampling), limits, deadline)
+    info = probe(data, media)
+    video = decode_frames(data, info, choose(info, media), media, deadline)
     if cache is not None:
         cache.put(key, video)
     return video

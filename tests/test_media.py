@@ -25,7 +25,6 @@ from PIL import Image
 
 from preprocess import (
     MediaError,
-    MediaLimits,
     decode_image,
     hash_bytes,
     hash_to_int,
@@ -33,6 +32,7 @@ from preprocess import (
     load_image,
     load_image_async,
 )
+from vlm_engine.config import MediaConfig
 from preprocess.media import load_media_bytes
 
 RED = (255, 0, 0)
@@ -102,9 +102,9 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
 HTTP_IMAGE = sample_rgb((10, 7))
 HTTP_PNG = encode(HTTP_IMAGE, "PNG")
 BIG_BODY = 200_000
-SMALL_CAP = MediaLimits(max_image_bytes=50_000, allow_private_urls=True)
+SMALL_CAP = MediaConfig(max_image_bytes=50_000, allow_private_media_urls=True)
 # The test servers listen on loopback, which media fetching refuses unless allowed.
-LOOPBACK = MediaLimits(allow_private_urls=True)
+LOOPBACK = MediaConfig(allow_private_media_urls=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -287,10 +287,10 @@ def test_format_outside_allowlist_is_rejected() -> None:
 
 def test_data_uri_over_byte_cap() -> None:
     png = encode(sample_rgb((64, 64)), "PNG")
-    limits = MediaLimits(max_image_bytes=len(png) - 1)
+    limits = MediaConfig(max_image_bytes=len(png) - 1)
     with pytest.raises(MediaError, match="image too large"):
         load_image(data_uri(png), limits)
-    assert load_image(data_uri(png), MediaLimits(max_image_bytes=len(png))).size == (64, 64)
+    assert load_image(data_uri(png), MediaConfig(max_image_bytes=len(png))).size == (64, 64)
 
 
 # --------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def test_data_uri_over_byte_cap() -> None:
 
 
 def test_bomb_rejected_by_our_pixel_limit_before_decode() -> None:
-    limits = MediaLimits(max_image_pixels=1_000_000)
+    limits = MediaConfig(max_image_pixels=1_000_000)
     with pytest.raises(MediaError, match=r"4000x4000 = 16000000 pixels exceeds the limit"):
         load_image(data_uri(png_header_only(4000, 4000)), limits)
 
@@ -309,14 +309,14 @@ def test_real_one_bit_bomb_rejected() -> None:
     data = encode(Image.new("1", (3000, 3000)), "PNG")
     assert len(data) < 10_000
     with pytest.raises(MediaError, match="pixels exceeds the limit"):
-        load_image(data_uri(data), MediaLimits(max_image_pixels=1_000_000))
+        load_image(data_uri(data), MediaConfig(max_image_pixels=1_000_000))
 
 
 def test_bomb_rejected_by_pillow_error() -> None:
     # 400 M pixels is over twice Pillow's MAX_IMAGE_PIXELS: Image.open raises
     # DecompressionBombError itself, which must still come out as MediaError.
     with pytest.raises(MediaError, match="image too large"):
-        load_image(data_uri(png_header_only(20000, 20000)), MediaLimits(max_image_pixels=10**9))
+        load_image(data_uri(png_header_only(20000, 20000)), MediaConfig(max_image_pixels=10**9))
 
 
 def test_pillow_warning_threshold_is_enforced() -> None:
@@ -325,17 +325,17 @@ def test_pillow_warning_threshold_is_enforced() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         with pytest.raises(MediaError, match="image too large"):
-            load_image(data_uri(png_header_only(side, side)), MediaLimits(max_image_pixels=10**9))
+            load_image(data_uri(png_header_only(side, side)), MediaConfig(max_image_pixels=10**9))
     # ...and also when the warning is escalated to an exception process-wide.
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with pytest.raises(MediaError, match="image too large"):
-            load_image(data_uri(png_header_only(side, side)), MediaLimits(max_image_pixels=10**9))
+            load_image(data_uri(png_header_only(side, side)), MediaConfig(max_image_pixels=10**9))
 
 
 def test_pil_input_is_subject_to_pixel_limit() -> None:
     with pytest.raises(MediaError, match="pixels exceeds the limit"):
-        load_image(Image.new("1", (2000, 2000)), MediaLimits(max_image_pixels=1_000_000))
+        load_image(Image.new("1", (2000, 2000)), MediaConfig(max_image_pixels=1_000_000))
 
 
 # --------------------------------------------------------------------------
@@ -423,7 +423,7 @@ def media_dir(tmp_path: Path) -> Path:
 
 
 def test_local_path_allowed(media_dir: Path) -> None:
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     expected = sample_rgb().tobytes()
     assert load_image(str(media_dir / "pic.png"), limits).tobytes() == expected
     assert load_image((media_dir / "pic.png").as_uri(), limits).tobytes() == expected
@@ -433,7 +433,7 @@ def test_local_path_allowed(media_dir: Path) -> None:
 
 def test_file_url_percent_decoding(media_dir: Path) -> None:
     sample_rgb().save(media_dir / "with space.png")
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     assert load_image((media_dir / "with space.png").as_uri(), limits).size == (16, 12)
 
 
@@ -444,7 +444,7 @@ def test_local_paths_refused_by_default(media_dir: Path) -> None:
 
 
 def test_local_path_escape_via_dotdot(media_dir: Path) -> None:
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     for source in (f"{media_dir}/../secret.png", "../secret.png", "sub/../../secret.png",
                    str(media_dir.parent / "secret.png"), "/etc/passwd"):
         with pytest.raises(MediaError, match="outside the allowed media directory"):
@@ -454,7 +454,7 @@ def test_local_path_escape_via_dotdot(media_dir: Path) -> None:
 def test_local_path_escape_via_symlink(media_dir: Path) -> None:
     (media_dir / "link.png").symlink_to(media_dir.parent / "secret.png")
     (media_dir / "linkdir").symlink_to(media_dir.parent)
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     for source in (str(media_dir / "link.png"), str(media_dir / "linkdir" / "secret.png"),
                    (media_dir / "link.png").as_uri()):
         with pytest.raises(MediaError, match="outside the allowed media directory"):
@@ -463,13 +463,13 @@ def test_local_path_escape_via_symlink(media_dir: Path) -> None:
 
 def test_symlink_inside_root_is_fine(media_dir: Path) -> None:
     (media_dir / "alias.png").symlink_to(media_dir / "sub" / "nested.png")
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     assert load_image(str(media_dir / "alias.png"), limits).size == (16, 12)
 
 
 def test_allowed_root_itself_behind_symlink(media_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "root-link").symlink_to(media_dir)
-    limits = MediaLimits(allowed_local_media_path=str(tmp_path / "root-link"))
+    limits = MediaConfig(allowed_local_media_path=str(tmp_path / "root-link"))
     assert load_image(str(media_dir / "pic.png"), limits).size == (16, 12)
     assert load_image(str(tmp_path / "root-link" / "pic.png"), limits).size == (16, 12)
 
@@ -479,13 +479,13 @@ def test_sibling_prefix_directory_is_outside(tmp_path: Path) -> None:
     (tmp_path / "allowed").mkdir()
     (tmp_path / "allowed-evil").mkdir()
     sample_rgb().save(tmp_path / "allowed-evil" / "pic.png")
-    limits = MediaLimits(allowed_local_media_path=str(tmp_path / "allowed"))
+    limits = MediaConfig(allowed_local_media_path=str(tmp_path / "allowed"))
     with pytest.raises(MediaError, match="outside"):
         load_image(str(tmp_path / "allowed-evil" / "pic.png"), limits)
 
 
 def test_local_file_errors(media_dir: Path) -> None:
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     with pytest.raises(MediaError, match="not found"):
         load_image("missing.png", limits)
     with pytest.raises(MediaError, match="not a regular file"):
@@ -496,7 +496,7 @@ def test_local_file_errors(media_dir: Path) -> None:
     (media_dir / "junk.png").write_bytes(b"not an image")
     with pytest.raises(MediaError, match="could not decode image"):
         load_image("junk.png", limits)
-    small = MediaLimits(allowed_local_media_path=str(media_dir), max_image_bytes=10)
+    small = MediaConfig(allowed_local_media_path=str(media_dir), max_image_bytes=10)
     with pytest.raises(MediaError, match="image too large"):
         load_image("pic.png", small)
     with pytest.raises(MediaError, match="remote host"):
@@ -507,7 +507,7 @@ def test_local_file_errors(media_dir: Path) -> None:
 
 
 def test_error_messages_do_not_leak_server_paths(media_dir: Path) -> None:
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     (media_dir / "link.png").symlink_to(media_dir.parent / "secret.png")
     for source in ("link.png", "missing.png", "../secret.png"):
         with pytest.raises(MediaError) as info:
@@ -531,12 +531,12 @@ def test_http_404(http_base: str) -> None:
 
 
 def test_http_redirects(http_base: str) -> None:
-    limits = MediaLimits(allow_private_urls=True, max_redirects=3)
+    limits = MediaConfig(allow_private_media_urls=True, max_redirects=3)
     assert load_image(f"{http_base}/redirect/3", limits).size == HTTP_IMAGE.size
     with pytest.raises(MediaError, match="more than 3 redirects"):
         load_image(f"{http_base}/redirect/5", limits)
     with pytest.raises(MediaError, match="more than 0 redirects"):
-        load_image(f"{http_base}/redirect/1", MediaLimits(allow_private_urls=True, max_redirects=0))
+        load_image(f"{http_base}/redirect/1", MediaConfig(allow_private_media_urls=True, max_redirects=0))
 
 
 def test_http_redirect_cannot_reach_local_files(http_base: str) -> None:
@@ -553,13 +553,13 @@ def test_http_body_over_cap(http_base: str, path: str) -> None:
 def test_http_timeout(http_base: str) -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
-        load_image(f"{http_base}/slow", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.2))
+        load_image(f"{http_base}/slow", MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=0.2))
     assert time.monotonic() - start < 2
 
 
 def test_fetch_timeouts_are_per_kind(http_base: str) -> None:
-    assert (MediaLimits().timeout_s("image"), MediaLimits().timeout_s("video")) == (5.0, 30.0)  # vLLM's
-    limits = MediaLimits(allow_private_urls=True, fetch_timeout_s=30, video_fetch_timeout_s=0.2)
+    assert (MediaConfig().timeout_s("image"), MediaConfig().timeout_s("video")) == (5.0, 30.0)  # vLLM's
+    limits = MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=30, video_fetch_timeout_s=0.2)
     start = time.monotonic()
     with pytest.raises(MediaError, match=r"timed out fetching video \(limit 0.2s\)"):
         load_media_bytes(f"{http_base}/slow", limits, kind="video")
@@ -569,7 +569,7 @@ def test_fetch_timeouts_are_per_kind(http_base: str) -> None:
 def test_http_trickle_hits_overall_deadline(http_base: str) -> None:
     start = time.monotonic()
     with pytest.raises(MediaError, match="timed out"):
-        load_image(f"{http_base}/trickle", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.3))
+        load_image(f"{http_base}/trickle", MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=0.3))
     assert time.monotonic() - start < 2
 
 
@@ -585,7 +585,8 @@ def test_http_connection_refused() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(MediaError, match="failed to fetch image"):
-        load_image(f"http://127.0.0.1:{port}/x.png", MediaLimits(allow_private_urls=True, fetch_timeout_s=2))
+        limits = MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=2)
+        load_image(f"http://127.0.0.1:{port}/x.png", limits)
 
 
 PRIVATE_URLS = [
@@ -645,7 +646,7 @@ def test_allowed_media_domains(http_base: str, monkeypatch: pytest.MonkeyPatch) 
     from preprocess import media
 
     monkeypatch.setattr(media, "resolve", lambda host, port: ["127.0.0.1"])
-    limits = MediaLimits(allow_private_urls=True, allowed_domains=("Example.org.",))
+    limits = MediaConfig(allow_private_media_urls=True, allowed_media_domains=("Example.org.",))
     port = urlsplit(http_base).port
     assert load_image(f"http://cdn.example.org:{port}/image.png", limits).size == HTTP_IMAGE.size
     assert load_image(f"http://example.org:{port}/image.png", limits).size == HTTP_IMAGE.size
@@ -679,7 +680,7 @@ def test_bad_sources(source: object, message: str) -> None:
 
 
 def test_async_sources(http_base: str, media_dir: Path) -> None:
-    limits = MediaLimits(allow_private_urls=True, allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allow_private_media_urls=True, allowed_local_media_path=str(media_dir))
     expected_local = sample_rgb().tobytes()
 
     async def main() -> list[Image.Image]:
@@ -701,15 +702,15 @@ def test_async_sources(http_base: str, media_dir: Path) -> None:
     ("path", "limits", "message"),
     [
         ("/nope.png", LOOPBACK, "HTTP 404"),
-        ("/redirect/5", MediaLimits(allow_private_urls=True, max_redirects=3), "more than 3 redirects"),
+        ("/redirect/5", MediaConfig(allow_private_media_urls=True, max_redirects=3), "more than 3 redirects"),
         ("/big-unsized", SMALL_CAP, "image too large"),
         ("/big", SMALL_CAP, "image too large"),
-        ("/slow", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.2), "timed out"),
-        ("/trickle", MediaLimits(allow_private_urls=True, fetch_timeout_s=0.3), "timed out"),
+        ("/slow", MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=0.2), "timed out"),
+        ("/trickle", MediaConfig(allow_private_media_urls=True, media_fetch_timeout_s=0.3), "timed out"),
         ("/html", LOOPBACK, "could not decode image"),
     ],
 )
-def test_async_http_errors(http_base: str, path: str, limits: MediaLimits, message: str) -> None:
+def test_async_http_errors(http_base: str, path: str, limits: MediaConfig, message: str) -> None:
     with pytest.raises(MediaError, match=message):
         asyncio.run(load_image_async(f"{http_base}{path}", limits))
 
@@ -721,7 +722,7 @@ def test_async_offline_errors(media_dir: Path) -> None:
         asyncio.run(load_image_async(str(media_dir / "pic.png")))
     with pytest.raises(MediaError, match="pixels exceeds the limit"):
         asyncio.run(load_image_async(data_uri(png_header_only(4000, 4000)),
-                                     MediaLimits(max_image_pixels=1_000_000)))
+                                     MediaConfig(max_image_pixels=1_000_000)))
 
 
 # --------------------------------------------------------------------------
@@ -731,7 +732,7 @@ def test_async_offline_errors(media_dir: Path) -> None:
 
 def test_hash_equal_across_sources(http_base: str, media_dir: Path) -> None:
     source = sample_rgb()
-    limits = MediaLimits(allowed_local_media_path=str(media_dir))
+    limits = MediaConfig(allowed_local_media_path=str(media_dir))
     digests = {
         image_content_hash(load_image(data_uri(encode(source, "PNG")), limits)),
         image_content_hash(load_image(data_uri(encode(source, "WEBP", lossless=True), "image/webp"))),
@@ -790,13 +791,13 @@ def test_hash_to_int() -> None:
 
 def test_limits_validation() -> None:
     with pytest.raises(ValueError):
-        MediaLimits(max_image_bytes=0)
+        MediaConfig(max_image_bytes=0)
     with pytest.raises(ValueError):
-        MediaLimits(fetch_timeout_s=0)
+        MediaConfig(media_fetch_timeout_s=0)
     with pytest.raises(ValueError):
-        MediaLimits(allowed_local_media_path="")
+        MediaConfig(allowed_local_media_path="")
     with pytest.raises(Exception):
-        MediaLimits().max_image_bytes = 1  # type: ignore[misc]  # frozen
+        MediaConfig().max_image_bytes = 1  # type: ignore[misc]  # frozen
 
 
 def test_media_error_param() -> None:

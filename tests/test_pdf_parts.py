@@ -25,7 +25,7 @@ from PIL import Image
 
 from preprocess.errors import MediaError, PromptError
 from preprocess.hashing import hash_to_int, image_content_hash
-from preprocess.media import MediaLimits, decode_image, load_image
+from preprocess.media import decode_image, load_image
 from preprocess.pdf import NO_FILE_API, PDF_LONGEST_SIDE, PdfDocument, file_part_bytes, page_png
 from preprocess.prompt import BUDGET_SPENT, PromptProcessor
 from tests.conftest import make_image
@@ -33,6 +33,7 @@ from tests.server_helpers import ServerProcess
 from vlm_engine.batch.inputs import WorkItem
 from vlm_engine.batch.media import media_parts
 from vlm_engine.batch.pdf import pdf_page_count, render_pdf_pages
+from vlm_engine.config import MediaConfig, MediaPerPrompt
 from vlm_engine.engine import Engine
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.sampling_params import SamplingParams
@@ -77,7 +78,8 @@ def engine(tiny_vlm_dir: Path) -> Engine:
 def limited(engine: Engine) -> PromptProcessor:
     """The engine's model under a server's limits: 3 images per prompt, 64 KiB per file."""
     family = engine.processor.family
-    return PromptProcessor(family, engine.processor.vocab_size, MediaLimits(max_file_bytes=64 * 1024), max_images=3)
+    media = MediaConfig(max_file_bytes=64 * 1024, limit_mm_per_prompt=MediaPerPrompt(image=3))
+    return PromptProcessor(family, engine.processor.vocab_size, media)
 
 
 @pytest.fixture(scope="module")
@@ -261,9 +263,9 @@ def test_models_without_images_refuse_pdfs() -> None:
 
 def test_file_part_bytes_checks_the_magic_in_the_first_kib() -> None:
     # PDF readers accept a few bytes before the header; the magic check does too, within the first KiB.
-    assert file_part_bytes({"file_data": data_url(b"\xef\xbb\xbf" + TWO_PAGES)}, MediaLimits()).endswith(TWO_PAGES)
+    assert file_part_bytes({"file_data": data_url(b"\xef\xbb\xbf" + TWO_PAGES)}, MediaConfig()).endswith(TWO_PAGES)
     with pytest.raises(MediaError, match="only PDF files"):
-        file_part_bytes({"file_data": data_url(b" " * 1024 + TWO_PAGES)}, MediaLimits())
+        file_part_bytes({"file_data": data_url(b" " * 1024 + TWO_PAGES)}, MediaConfig())
 
 
 # ---- the batch CLI's renderer ------------------------------------------------------------------------
@@ -324,7 +326,7 @@ def pdf_server() -> Iterator[str]:
 
 
 def test_a_fetched_file_url_renders_as_file_data(engine: Engine, pdf_server: str) -> None:
-    fetcher = MediaFetcher(MediaLimits(allow_private_urls=True))
+    fetcher = MediaFetcher(MediaConfig(allow_private_media_urls=True))
     messages = ask(file_part(file_url=f"{pdf_server}/doc.pdf"))
     fetched, _ = asyncio.run(fetcher.fetch_all(messages, time.monotonic() + 30))
     assert fetched[0]["content"][1]["file"]["file_url"] == TWO_PAGES
@@ -334,7 +336,7 @@ def test_a_fetched_file_url_renders_as_file_data(engine: Engine, pdf_server: str
 
 
 def test_a_fetched_file_url_is_held_to_the_file_byte_cap(pdf_server: str) -> None:
-    fetcher = MediaFetcher(MediaLimits(allow_private_urls=True, max_file_bytes=64 * 1024))
+    fetcher = MediaFetcher(MediaConfig(allow_private_media_urls=True, max_file_bytes=64 * 1024))
     with pytest.raises(MediaError) as caught:
         asyncio.run(fetcher.fetch_all(ask(file_part(file_url=f"{pdf_server}/big.pdf")), None))
     assert caught.value.param == PART and "file too large" in caught.value.message

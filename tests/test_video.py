@@ -14,14 +14,20 @@ import pytest
 import torch
 
 from preprocess.errors import MediaError
-from preprocess.video import FrameCache, VideoLimits, VideoSampling, decode_frames, hf_indices, load_video, probe
+from preprocess.video import FrameCache, decode_frames, hf_indices, load_video, probe
 from tests.conftest import make_image
 from vlm_engine import Engine, SamplingParams
+from vlm_engine.config import MediaConfig
 from testkit.videos import encode_clip, make_clip, pan_frames, pattern
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 FPS = 2.0
+
+
+def sampled(fps: float, max_frames: int, **limits: Any) -> MediaConfig:
+    """Media config sampling videos at `fps`, at most `max_frames` (a request's own sampling)."""
+    return MediaConfig(video_fps=fps, video_max_frames=max_frames, **limits)
 
 # Each clip stresses one thing the decoder must get right.
 CLIPS: dict[str, dict[str, Any]] = {
@@ -97,7 +103,7 @@ def test_chosen_frames_equal_transformers(hf_tiny_vlm: Any, name: str) -> None:
     data = clip(name)
     ref, ref_indices = hf_frames(data, processor.video_processor, FPS, 32)
     info = probe(data)
-    ours = decode_frames(data, info, hf_indices(processor.video_processor)(info, VideoSampling(FPS, 32)))
+    ours = decode_frames(data, info, hf_indices(processor.video_processor)(info, sampled(FPS, 32)))
     assert ours.indices == ref_indices
     if name == "rotated":
         # Transformers' reader ignores the display matrix; players (and we) show the clip upright.
@@ -112,14 +118,14 @@ def test_webm_without_a_frame_count_is_still_sampled() -> None:
     data = clip("vp9-webm-odd")
     info = probe(data)
     assert info.num_frames == 18 and info.container.startswith("matroska")
-    video = load_video(data, VideoSampling(fps=2, max_frames=8))
+    video = load_video(data, sampled(2, 8))
     assert video.frames.shape == (4, 59, 77, 3)
 
 
 def test_rotation_turns_frames_upright() -> None:
     upright = np.asarray(pattern(96, 64))  # its yellow marker is top-left
     data = encode_clip([upright] * 4, 4, rotation=90)  # stored sideways-tagged: shown turned 90° CCW
-    frame = load_video(data, VideoSampling(fps=4, max_frames=4)).frames[0]
+    frame = load_video(data, sampled(4, 4)).frames[0]
     assert frame.shape == (96, 64, 3)
     bottom_left = frame[-16:, :16].reshape(-1, 3).mean(0)
     assert bottom_left[0] > 200 and bottom_left[1] > 200 and bottom_left[2] < 90  # the marker, turned CCW
@@ -130,7 +136,7 @@ def test_sampling_decodes_a_fraction_of_the_frames() -> None:
     data = make_clip(width=128, height=96, fps=30, seconds=4, gop=30)
     info = probe(data)
     assert info.num_frames == 120 and len(info.keyframe_pts) == 4
-    video = load_video(data, VideoSampling(fps=2, max_frames=64))
+    video = load_video(data, sampled(2, 64))
     assert len(video.indices) == 8
     assert video.decoded < info.num_frames // 2, video.decoded
 
@@ -138,10 +144,10 @@ def test_sampling_decodes_a_fraction_of_the_frames() -> None:
 def test_frame_cache_skips_the_decode_and_is_bounded() -> None:
     data = make_clip(width=96, height=64, fps=10, seconds=2)
     cache = FrameCache(max_bytes=10 * 96 * 64 * 3)
-    first = load_video(data, VideoSampling(2, 8), cache=cache)
-    again = load_video(data, VideoSampling(2, 8), cache=cache)
+    first = load_video(data, sampled(2, 8), cache=cache)
+    again = load_video(data, sampled(2, 8), cache=cache)
     assert again is first and cache.hits == 1
-    other = load_video(data, VideoSampling(4, 8), cache=cache)  # other sampling: another entry
+    other = load_video(data, sampled(4, 8), cache=cache)  # other sampling: another entry
     assert other is not first and len(other.indices) == 8
     assert cache.nbytes <= cache.max_bytes and len(cache) == 1  # 4 + 8 frames do not both fit
     assert first.content_hash != other.content_hash
@@ -150,20 +156,22 @@ def test_frame_cache_skips_the_decode_and_is_bounded() -> None:
 def test_limits_name_the_reason() -> None:
     data = make_clip(width=96, height=64, fps=10, seconds=3)
     with pytest.raises(MediaError, match="at most 2 s"):
-        probe(data, VideoLimits(max_duration_s=2))
+        probe(data, MediaConfig(max_video_seconds=2))
     with pytest.raises(MediaError, match="too large"):
-        probe(data, VideoLimits(max_video_bytes=100))
+        probe(data, MediaConfig(max_video_bytes=100))
     with pytest.raises(MediaError, match="pixel"):
-        load_video(data, VideoSampling(4, 8), limits=VideoLimits(max_decoded_pixels=96 * 64 * 4))
-    with pytest.raises(MediaError, match="limit of 4"):
-        load_video(data, VideoSampling(2, 8), limits=VideoLimits(max_frames=4))
+        load_video(data, sampled(4, 8, max_video_pixels=96 * 64 * 4))
+    with pytest.raises(MediaError, match="at most 4 per video"):  # a chooser that ignores the cap
+        decode_frames(data, probe(data), list(range(8)), MediaConfig(max_video_frames=4, video_max_frames=4))
+    with pytest.raises(ValueError, match="video_max_frames 8 is above max_video_frames 4"):  # sampling over the cap
+        sampled(2, 8, max_video_frames=4)
 
 
 def test_a_spent_media_budget_stops_the_decode() -> None:
     data = make_clip(width=96, height=64, fps=10, seconds=2)
     with pytest.raises(MediaError, match="media time budget ran out"):
-        load_video(data, VideoSampling(2, 8), deadline=time.monotonic() - 1)
-    assert len(load_video(data, VideoSampling(2, 8), deadline=time.monotonic() + 60).indices) == 4
+        load_video(data, sampled(2, 8), deadline=time.monotonic() - 1)
+    assert len(load_video(data, sampled(2, 8), deadline=time.monotonic() + 60).indices) == 4
 
 
 # ---- greedy parity with Transformers --------------------------------------------------------------

@@ -16,12 +16,12 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vlm_engine.config import DTYPES, comma_list, leaf_fields, positive_float, positive_int, resolve_choices
+from vlm_engine.config import leaf_fields, option_problem, resolve_choices
 
 if TYPE_CHECKING:
     from vlm_engine.server.config import ServerConfig
 
-# ---- `serve`: flags generated from the config dataclasses ---------------------------------------
+# ---- flags generated from the config dataclasses (`serve`'s and `batch`'s) -----------------------
 
 # Old spellings that turn a switch off, kept working next to the generated --no-X (deployments use them).
 OFF_SWITCHES = {"log_stats": "--disable-log-stats"}
@@ -34,22 +34,40 @@ def flag_name(name: str) -> str:
     return "--" + name.removeprefix("enable_").removesuffix("_s").replace("_", "-")
 
 
+def _flag(f: dataclasses.Field[Any]) -> str:
+    return f.metadata.get("flag") or flag_name(f.name)
+
+
 def _value_type(hint: Any) -> Any:
-    """`int | None` -> int: the type of the value a flag gives."""
+    """`int | None` -> int, `list[str]` (a repeated flag) -> str: the type of the value a flag gives."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is list:
+        return args[0]
     return args[0] if type(None) in typing.get_args(hint) and len(args) == 1 else hint
 
 
 def _parser(f: dataclasses.Field[Any], value_type: Any) -> Callable[[str], Any]:
+    """Text -> the option's value, refused (argparse's usage error, naming the flag) where the
+    option's own rule refuses it: the rule the section applies when it is built, with its text."""
     parse = f.metadata.get("parse")
     if parse is None and value_type not in (int, float, str):
         raise TypeError(f"option {f.name!r} of type {value_type} needs a `parse` function in its metadata")
-    return parse or value_type
+    convert = parse or value_type
+
+    def parse_checked(text: str) -> Any:
+        value = convert(text)
+        problem = option_problem(f, value)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return value
+
+    parse_checked.__name__ = convert.__name__  # argparse's "invalid int value: 'x'"
+    return parse_checked
 
 
 def _help(f: dataclasses.Field[Any]) -> str:
     text = f.metadata["help"]
-    if f.default not in (None, ()):
+    if f.default not in (None, (), dataclasses.MISSING):
         text += f" (default: {f.default})"
     if "env" in f.metadata:
         text += f" (env {f.metadata['env']})"
@@ -64,8 +82,10 @@ def _metavar(f: dataclasses.Field[Any], value_type: Any) -> str:
 
 def _add_option(group: Any, owner: type, f: dataclasses.Field[Any]) -> None:
     # SUPPRESS: the namespace holds only the options given; every default comes from its field.
-    kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": _help(f)}
+    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": _help(f)}
     value_type = _value_type(typing.get_type_hints(owner)[f.name])
+    flag = _flag(f)
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
     if value_type is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
@@ -73,9 +93,17 @@ def _add_option(group: Any, owner: type, f: dataclasses.Field[Any]) -> None:
         choices = resolve_choices(f.metadata.get("choices"))
         if choices:
             kwargs["choices"] = choices
-        else:
+        elif flag.startswith("-"):
             kwargs["metavar"] = _metavar(f, value_type)
-    group.add_argument(flag_name(f.name), **kwargs)
+    if not flag.startswith("-"):  # a positional argument: one or more values
+        kwargs["nargs"] = "+"
+    else:
+        kwargs["dest"] = f.name
+        if f.metadata.get("repeat"):
+            kwargs["action"] = "append"
+        if required:
+            kwargs["required"] = True
+    group.add_argument(flag, **kwargs)
     if f.name in OFF_SWITCHES:
         group.add_argument(
             OFF_SWITCHES[f.name], dest=f.name, action="store_false", default=argparse.SUPPRESS,
@@ -84,8 +112,9 @@ def _add_option(group: Any, owner: type, f: dataclasses.Field[Any]) -> None:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_class: type) -> None:
-    """A flag for every option of a config tree, in one argument group per section."""
-    groups: dict[tuple[str, ...], Any] = {}
+    """A flag for every option of a config tree, in one argument group per section (a config of
+    one section, as `batch`'s, adds its flags to the parser itself)."""
+    groups: dict[tuple[str, ...], Any] = {(): parser}
     for path, owner, f in leaf_fields(config_class):
         if path not in groups:
             groups[path] = parser.add_argument_group(path[-1], (owner.__doc__ or "").strip().splitlines()[0])
@@ -171,91 +200,21 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    from vlm_engine.batch.run import BatchOptions
+
     p = sub.add_parser("batch", help="turn files, folders, manifests or OpenAI batch files into JSON rows")
-    p.add_argument(
-        "inputs", nargs="+", help="files, folders (recursive), globs, a JSONL manifest or an OpenAI batch file"
-    )
-    p.add_argument("--prompt", default=None, help="what to ask about each input")
-    p.add_argument("--schema", default=None, help="a JSON Schema file: answers are constrained to it and parsed")
-    p.add_argument("--out", required=True, help="JSONL output; rerunning with the same file resumes")
-    p.add_argument("--model", default=None, help="in-process model (default: the embedded default)")
-    p.add_argument("--server", action="append", default=[], help="an OpenAI-compatible server URL (repeatable)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--concurrency", type=positive_int, default=16)
-    p.add_argument("--fps", type=positive_float, default=None, help="video frames sampled per second")
-    p.add_argument("--max-frames", type=positive_int, default=None, help="most frames per video")
-    p.add_argument("--pdf-pages", choices=["each", "document"], default="each", help="a row per page or per PDF")
-    p.add_argument(
-        "--pdf-longest-side", type=positive_int, default=1288, help="pixels of a rendered page's longest side"
-    )
-    p.add_argument("--retries", type=int, default=2, help="retries for transient errors and unparsable answers")
-    p.add_argument("--limit", type=positive_int, default=None, help="only the first N inputs")
-    p.add_argument("--max-tokens", type=positive_int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--dtype", default="auto", choices=DTYPES)
-    p.add_argument("--extra-body", default="{}", help="JSON merged into every request body, e.g. '{\"top_p\": 0.9}'")
-    p.add_argument(
-        "--allow-private-media-urls",
-        action="store_true",
-        help="in-process model: media URLs may reach loopback, private and link-local addresses (an intranet)",
-    )
-    p.add_argument(
-        "--allowed-media-domains",
-        type=comma_list,
-        default=None,
-        help="in-process model: fetch media only from these hosts",
-    )
-    p.add_argument(
-        "--ray",
-        default=None,
-        metavar="ADDRESS",
-        help='run on a Ray cluster over Ray Data: its address, "auto", or "local" to start one here (pip install '
-        "vlm-engine[ray]); rows and resuming are as without it",
-    )
-    p.add_argument("--ray-actors", type=positive_int, default=1, help="with --ray: engine actors (each one model)")
-    p.add_argument("--ray-actor-cpus", type=positive_float, default=1.0, help="with --ray: CPUs each actor reserves")
-    p.add_argument("--no-progress", action="store_true")
+    add_config_flags(p, BatchOptions)
     p.set_defaults(func=run_batch_command)
 
 
 def run_batch_command(args: argparse.Namespace) -> int:
-    import json
-
     from vlm_engine.batch import BatchOptions, run_batch
 
-    if args.ray is not None and args.server:
-        print("--ray runs the model in Ray actors; it does not go with --server", file=sys.stderr)
+    try:
+        options = BatchOptions(**config_values(args, BatchOptions))
+    except ValueError as exc:  # a rule across options (each option's own is the flag's)
+        print(exc, file=sys.stderr)
         return 2
-    schema = None
-    if args.schema:
-        with open(args.schema, encoding="utf-8") as f:
-            schema = json.load(f)
-    options = BatchOptions(
-        inputs=args.inputs,
-        out=args.out,
-        prompt=args.prompt,
-        schema=schema,
-        model=args.model,
-        servers=args.server,
-        api_key=args.api_key,
-        concurrency=args.concurrency,
-        fps=args.fps,
-        max_frames=args.max_frames,
-        pdf_pages=args.pdf_pages,
-        pdf_longest_side=args.pdf_longest_side,
-        retries=max(0, args.retries),
-        limit=args.limit,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        dtype=args.dtype,
-        progress=not args.no_progress,
-        extra_body=json.loads(args.extra_body),
-        allow_private_media_urls=args.allow_private_media_urls,
-        allowed_media_domains=args.allowed_media_domains,
-        ray=args.ray,
-        ray_actors=args.ray_actors,
-        ray_actor_cpus=args.ray_actor_cpus,
-    )
     summary = run_batch(options)
     print(summary.line(), file=sys.stderr)
     return 0

@@ -4,7 +4,11 @@ Every option is one field, written once: its default and its help text (`metadat
 the field, and the rest is derived from them: `vlm-engine serve`'s flags (vlm_engine.cli), the flat
 keyword arguments `Engine(...)` takes (`from_flat`), and the server's `ServerConfig`, which holds an
 `EngineConfig`. Option names are unique across the tree (the server's sections included), so a flat
-name says which section it belongs to.
+name says which section it belongs to. Preprocessing reads `MediaConfig` itself (its limits, its
+video sampling): there is no second record of those defaults.
+
+Each option's rule (`check`, `choices`) is written once, on its field: a section checks every field
+when it is built (`Section`), and a flag checks its value as it parses, with the same text.
 
 Torch-free: the API process imports it.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Self, TypeVar
 
 DEFAULT_MODEL = "placard-default"  # the embedded default that sees images (vlm_engine/models/placard/)
@@ -28,11 +32,48 @@ T = TypeVar("T")
 
 
 def doc(help: str, **cli: Any) -> dict[str, Any]:
-    """A field's metadata: its help text, and what tunes its generated flag: `parse` (text -> value,
-    as argparse's `type`), `choices` (a tuple, or a callable that gives them, for choices whose
-    module is heavy to import), `metavar`, `env` (an environment variable the flag defaults to).
+    """A field's metadata: its help text, its rule (`check`: a value -> what is wrong with it, or
+    None; `choices`: a tuple, or a callable that gives them, for choices whose module is heavy to
+    import), and what tunes its generated flag: `parse` (text -> value, as argparse's `type`; a
+    conversion, not a check), `metavar`, `env` (an environment variable the flag defaults to), `flag`
+    (the flag's name where it is not derived from the field's; no dashes: a positional argument),
+    `repeat` (the flag may be given several times; the field holds the list).
     Sections are `field(default_factory=TheSection)`."""
     return {"help": help, **cli}
+
+
+Check = Callable[[Any], "str | None"]
+
+
+def at_least(minimum: float) -> Check:
+    return lambda value: None if value >= minimum else f"must be >= {minimum}, got {value}"
+
+
+def above(minimum: float) -> Check:
+    return lambda value: None if value > minimum else f"must be > {minimum}, got {value}"
+
+
+def option_problem(f: Field[Any], value: Any) -> str | None:
+    """What is wrong with `value` for option `f` by its `check` (None is the unset value of an
+    optional option). `choices` are argparse's to check on the command line."""
+    check = f.metadata.get("check")
+    return None if check is None or value is None else check(value)
+
+
+class Section:
+    """A config section: building one checks every option's rule (`check`, then `choices`), so
+    `Engine(max_num_seqs=0)` fails with the text `--max-num-seqs 0` gives. Sections with rules across
+    options extend `__post_init__`."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            problem = option_problem(f, value)
+            choices = resolve_choices(f.metadata.get("choices"))
+            if problem is None and choices is not None and value is not None and value not in choices:
+                problem = f"must be one of {', '.join(choices)}, got {value!r}"
+            if problem is not None:
+                raise ValueError(f"{f.name} {problem}")
 
 
 def section_class(f: Field[Any]) -> type | None:
@@ -83,27 +124,13 @@ def _build(cls: type[T], remaining: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-# ---- text -> value parsers the flags use (argparse shows their messages) ---------------------
+# ---- text -> value conversions some flags use (argparse shows their messages) ----------------
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def speculative_method(text: str) -> str:
-    if text == "ngram" or (text.startswith("draft:") and len(text) > len("draft:")):
-        return text
-    raise argparse.ArgumentTypeError(f"must be 'ngram' or 'draft:PATH', got {text!r}")
+def speculative_method(value: str) -> str | None:
+    if value == "ngram" or (value.startswith("draft:") and len(value) > len("draft:")):
+        return None
+    return f"must be 'ngram' or 'draft:PATH', got {value!r}"
 
 
 def comma_list(text: str) -> tuple[str, ...] | None:
@@ -155,7 +182,7 @@ def mm_limit(text: str) -> MediaPerPrompt:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     """The model: which one, in what dtype, on which device, with which kernels."""
 
     model: str = field(
@@ -171,7 +198,7 @@ class ModelConfig:
     device: str = field(default="auto", metadata=doc("auto (CUDA when present), cpu or cuda"))
     max_model_len: int | None = field(
         default=None,
-        metadata=doc("longest prompt + output (default: the model's limit, capped by the KV pool)", parse=positive_int),
+        metadata=doc("longest prompt + output (default: the model's limit, capped by the KV pool)", check=at_least(1)),
     )
     numerics: str = field(
         default="fast",
@@ -199,27 +226,24 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        super().__post_init__()
         if self.quantization and self.dtype not in ("auto", "float32"):
             raise ValueError(f"quantization keeps float32 activations; dtype {self.dtype!r} cannot be combined with it")
 
 
 @dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(Section):
     """The KV page pool, the prefix cache and the vision-encoder cache."""
 
     page_size: int = field(
-        default=16, metadata=doc("tokens per KV page; also the prefix-cache granularity", parse=positive_int)
+        default=16, metadata=doc("tokens per KV page; also the prefix-cache granularity", check=at_least(1))
     )
     kv_cache_tokens: int | None = field(
         default=None,
         metadata=doc(
             "KV pool size in tokens (default: from free memory); sliding-window layers get a pool sized "
             "for their windows",
-            parse=positive_int,
+            check=at_least(1),
         ),
     )
     enable_prefix_cache: bool = field(default=True, metadata=doc("reuse the KV pages of a prompt's cached prefix"))
@@ -244,49 +268,42 @@ class CacheConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError("page_size must be >= 1")
+        super().__post_init__()
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError("kv_cache_tokens must hold at least one page")
 
 
 @dataclass(frozen=True)
-class SchedulingConfig:
+class SchedulingConfig(Section):
     """How much one step may batch."""
 
-    max_num_seqs: int = field(default=64, metadata=doc("most requests in one running batch", parse=positive_int))
+    max_num_seqs: int = field(default=64, metadata=doc("most requests in one running batch", check=at_least(1)))
     max_num_batched_tokens: int = field(
-        default=2048, metadata=doc("token budget of one step (prefill chunks + decodes)", parse=positive_int)
+        default=2048, metadata=doc("token budget of one step (prefill chunks + decodes)", check=at_least(1))
     )
     enable_chunked_prefill: bool = field(default=True, metadata=doc("split a long prompt's prefill over several steps"))
 
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-
 
 @dataclass(frozen=True)
-class SpeculativeConfig:
+class SpeculativeConfig(Section):
     """Speculative decoding (vlm_engine.speculative)."""
 
     speculative: str | None = field(
         default=None,
         metadata=doc(
             "speculative decoding: 'ngram' (prompt lookup) or 'draft:PATH' (a smaller model, same vocabulary)",
-            parse=speculative_method,
+            check=speculative_method,
             metavar="METHOD",
         ),
     )
-    num_speculative_tokens: int = field(default=4, metadata=doc("draft tokens per step", parse=positive_int))
-    speculative_ngram_min: int = field(default=1, metadata=doc("shortest n-gram matched", parse=positive_int))
-    speculative_ngram_max: int = field(default=4, metadata=doc("longest n-gram matched", parse=positive_int))
+    num_speculative_tokens: int = field(default=4, metadata=doc("draft tokens per step", check=at_least(1)))
+    speculative_ngram_min: int = field(default=1, metadata=doc("shortest n-gram matched", check=at_least(1)))
+    speculative_ngram_max: int = field(default=4, metadata=doc("longest n-gram matched", check=at_least(1)))
     speculative_disable_batch_size: int = field(
         default=8,
         metadata=doc(
             "steps that start with this many running requests do not speculate (the batch is compute-bound)",
-            parse=positive_int,
+            check=at_least(1),
         ),
     )
     speculative_draft_quantization: str | None = field(
@@ -298,14 +315,6 @@ class SpeculativeConfig:
         ),
     )
 
-    def __post_init__(self) -> None:
-        if self.speculative is not None and self.speculative != "ngram" and not self.speculative.startswith("draft:"):
-            raise ValueError(f"speculative must be 'ngram' or 'draft:PATH', got {self.speculative!r}")
-        if self.speculative_draft_quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"speculative_draft_quantization must be one of {QUANTIZATIONS} or None")
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
-
     @property
     def draft_path(self) -> str | None:
         """The draft model of 'draft:PATH'; None for n-gram lookup or no speculation."""
@@ -315,8 +324,11 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
-class MediaConfig:
-    """Images and videos the prompts name: what may be fetched, how much, how videos are sampled."""
+class MediaConfig(Section):
+    """Images, videos and files the prompts name: what may be fetched, how much, how videos are
+    sampled. Preprocessing reads it as it is (preprocess.media, .video, .prompt); a request's own
+    video sampling (`fps`, `max_frames`) is this config with `video_fps` / `video_max_frames` replaced
+    (`sampled_at`)."""
 
     limit_mm_per_prompt: MediaPerPrompt = field(
         default=MediaPerPrompt(),
@@ -328,29 +340,43 @@ class MediaConfig:
     )
     allowed_local_media_path: str | None = field(
         default=None,
-        metadata=doc("serve local media files from under this directory (default: no local paths)", metavar="DIR"),
+        metadata=doc(
+            "serve local media files from under this directory, symlinks and '..' resolved (default: no local paths)",
+            # realpath("") is the working directory: an empty value is a mistake, not a request to expose it.
+            check=lambda path: None if path else "must be a directory, got ''",
+            metavar="DIR",
+        ),
     )
     max_image_bytes: int = field(
-        default=20 * 1024 * 1024, metadata=doc("encoded size of one image", parse=positive_int)
+        default=20 * 1024 * 1024, metadata=doc("encoded size of one image", check=at_least(1))
+    )
+    max_image_pixels: int = field(
+        default=40_000_000,
+        metadata=doc("pixels of one image (width x height), read from its header before decoding", check=at_least(1)),
     )
     max_video_bytes: int = field(
-        default=64 * 1024 * 1024, metadata=doc("encoded size of one video", parse=positive_int)
+        default=64 * 1024 * 1024, metadata=doc("encoded size of one video", check=at_least(1))
     )
     max_file_bytes: int = field(
-        default=32 * 1024 * 1024, metadata=doc("encoded size of one file part (a PDF)", parse=positive_int)
+        default=32 * 1024 * 1024, metadata=doc("encoded size of one file part (a PDF)", check=at_least(1))
     )
-    max_video_seconds: float = field(default=600.0, metadata=doc("longest video", parse=positive_float))
+    max_video_seconds: float = field(default=600.0, metadata=doc("longest video", check=above(0)))
     max_video_pixels: int = field(
         default=256 * 1280 * 720,
-        metadata=doc("decoded pixels per video (sampled frames x width x height)", parse=positive_int),
+        metadata=doc("decoded pixels per video (sampled frames x width x height)", check=at_least(1)),
+    )
+    max_video_frame_pixels: int = field(
+        default=4096 * 2160, metadata=doc("pixels of one video frame (width x height)", check=at_least(1))
+    )
+    max_video_frames: int = field(
+        default=256,
+        metadata=doc("most frames a request may sample from one video (its fps and max_frames)", check=at_least(1)),
     )
     video_fps: float = field(
         default=2.0,
-        metadata=doc(
-            "frames sampled per second of video (a part or mm_processor_kwargs may override)", parse=positive_float
-        ),
+        metadata=doc("frames sampled per second of video (a part or mm_processor_kwargs may override)", check=above(0)),
     )
-    video_max_frames: int = field(default=32, metadata=doc("most frames sampled per video", parse=positive_int))
+    video_max_frames: int = field(default=32, metadata=doc("most frames sampled per video", check=at_least(1)))
     video_frame_cache_mb: int = field(
         default=512, metadata=doc("MiB of decoded frames each preprocess worker keeps for repeats (0: none)")
     )
@@ -360,11 +386,14 @@ class MediaConfig:
             "where frames are resized/normalized (decoding is always PyAV on the CPU)", choices=("auto", "cpu", "cuda")
         ),
     )
+    # A download's time limit is per network operation and for the whole download (vLLM's defaults).
     media_fetch_timeout_s: float = field(
-        default=5.0, metadata=doc("seconds for an image URL's whole download (vLLM's default)")
+        default=5.0, metadata=doc("seconds for an image URL's whole download (vLLM's default)", check=above(0))
     )
-    video_fetch_timeout_s: float = field(default=30.0, metadata=doc("seconds for a video URL's whole download"))
-    max_redirects: int = field(default=3, metadata=doc("redirects a media URL may take"))
+    video_fetch_timeout_s: float = field(
+        default=30.0, metadata=doc("seconds for a video or file URL's whole download", check=above(0))
+    )
+    max_redirects: int = field(default=3, metadata=doc("redirects a media URL may take", check=at_least(0)))
     allow_private_media_urls: bool = field(
         default=False,
         metadata=doc(
@@ -381,54 +410,44 @@ class MediaConfig:
     )
     media_time_budget_s: float = field(
         default=60.0,
-        metadata=doc("seconds one request's media may take to fetch and decode, all parts together (0: no budget)"),
+        metadata=doc(
+            "seconds one request's media may take to fetch and decode, all parts together (0: no budget)",
+            check=at_least(0),
+        ),
     )
     max_concurrent_media_fetches: int = field(
         default=64,
         metadata=doc(
-            "media URL downloads in flight at once in the API process, over all requests (more wait their turn)"
+            "media URL downloads in flight at once in the API process, over all requests (more wait their turn)",
+            check=at_least(1),
         ),
     )
 
     def __post_init__(self) -> None:
-        if self.media_time_budget_s < 0 or self.max_concurrent_media_fetches < 1:
-            raise ValueError("media_time_budget_s must be >= 0 and max_concurrent_media_fetches >= 1")
-        if not self.video_fps > 0 or self.video_max_frames < 1:
-            raise ValueError("video_fps must be positive and video_max_frames at least 1")
+        super().__post_init__()
+        if self.video_max_frames > self.max_video_frames:
+            raise ValueError(
+                f"video_max_frames {self.video_max_frames} is above max_video_frames {self.max_video_frames}"
+            )
+        if self.allowed_media_domains is not None:  # hosts compare lowercased, without the root's dot
+            domains = tuple(d.strip().lower().rstrip(".") for d in self.allowed_media_domains if d.strip())
+            object.__setattr__(self, "allowed_media_domains", domains)
 
     @property
     def video_frame_cache_bytes(self) -> int:
         return max(0, self.video_frame_cache_mb) * 2**20
 
-    def fetch_limits(self) -> Any:
-        """preprocess.media.MediaLimits: what a prompt's media URLs and paths may reach and weigh."""
-        from preprocess.media import MediaLimits
+    def max_bytes(self, kind: str) -> int:
+        """The encoded-size cap of an "image", "video" or "file" part."""
+        return {"video": self.max_video_bytes, "file": self.max_file_bytes}.get(kind, self.max_image_bytes)
 
-        return MediaLimits(
-            max_image_bytes=self.max_image_bytes,
-            max_video_bytes=self.max_video_bytes,
-            max_file_bytes=self.max_file_bytes,
-            fetch_timeout_s=self.media_fetch_timeout_s,
-            video_fetch_timeout_s=self.video_fetch_timeout_s,
-            max_redirects=self.max_redirects,
-            allowed_local_media_path=self.allowed_local_media_path,
-            allow_private_urls=self.allow_private_media_urls,
-            allowed_domains=self.allowed_media_domains,
-        )
+    def timeout_s(self, kind: str) -> float:
+        """The download time limit of an "image", "video" or "file" URL (a file can be as large as a video)."""
+        return self.video_fetch_timeout_s if kind in ("video", "file") else self.media_fetch_timeout_s
 
-    def video_limits(self) -> Any:
-        from preprocess.video import VideoLimits
-
-        return VideoLimits(
-            max_video_bytes=self.max_video_bytes,
-            max_duration_s=self.max_video_seconds,
-            max_decoded_pixels=self.max_video_pixels,
-        )
-
-    def video_sampling(self) -> Any:
-        from preprocess.video import VideoSampling
-
-        return VideoSampling(fps=self.video_fps, max_frames=self.video_max_frames)
+    def sampled_at(self, fps: float, max_frames: int) -> MediaConfig:
+        """This config with a request's own video sampling (already checked against max_video_frames)."""
+        return replace(self, video_fps=fps, video_max_frames=max_frames)
 
 
 @dataclass(frozen=True)

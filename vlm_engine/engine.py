@@ -74,7 +74,7 @@ class Engine:
         wired = wire_model(self.config)
         self.source, self.hf_config, self.device, self.dtype = wired.source, wired.hf_config, wired.device, wired.dtype
         self.model, self.bf16_weights = wired.model, wired.bf16_weights
-        self.processor = prompt_processor(self.source, self.hf_config, limits=self.config.media.fetch_limits())
+        self.processor = prompt_processor(self.source, self.hf_config, self.config.media)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = eos_token_ids(self.source, self.hf_config, self.tokenizer)
 

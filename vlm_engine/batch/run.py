@@ -10,6 +10,7 @@ rows and resuming are the same for all three.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import threading
@@ -22,40 +23,91 @@ from vlm_engine.batch.backends import Backend, BodyOptions, EngineBackend, Job, 
 from vlm_engine.batch.inputs import WorkItem, expand_inputs
 from vlm_engine.batch.media import PDF_LONGEST_SIDE
 from vlm_engine.batch.rows import RowWriter
+from vlm_engine.config import DTYPES, Section, above, at_least, comma_list, doc
 
 RETRY_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
-@dataclass
-class BatchOptions:
-    inputs: list[str]
-    out: str
-    prompt: str | None = None
-    schema: dict[str, Any] | None = None
-    model: str | None = None
-    servers: list[str] = field(default_factory=list)
-    api_key: str | None = None
-    concurrency: int = 16
-    fps: float | None = None
-    max_frames: int | None = None
-    pdf_pages: str = "each"
-    pdf_longest_side: int = PDF_LONGEST_SIDE
-    retries: int = 2
-    limit: int | None = None
-    max_tokens: int = 512
-    temperature: float = 0.0
-    dtype: str = "auto"
-    progress: bool = True
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every media request (e.g. ignore_eos)
-    # In-process model only: media URLs in the inputs (e.g. an OpenAI batch file's image_url) may
-    # reach loopback/private addresses (an intranet), or only these domains. Servers apply their own.
-    allow_private_media_urls: bool = False
-    allowed_media_domains: tuple[str, ...] | None = None
-    # Ray (`--ray`): a cluster address, "auto", or "local" to start one here; None runs without Ray.
-    # Each actor holds one in-process engine with `concurrency` requests in its scheduler.
-    ray: str | None = None
-    ray_actors: int = 1
-    ray_actor_cpus: float = 1.0
+def _json_file(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:  # a usage error of the flag, with its reason
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class BatchOptions(Section):
+    """`vlm-engine batch`'s options: its flags are generated from these fields (vlm_engine.cli), as
+    `serve`'s are from the server's config; the Python API builds it directly."""
+
+    inputs: list[str] = field(
+        metadata=doc("files, folders (recursive), globs, a JSONL manifest or an OpenAI batch file", flag="inputs")
+    )
+    out: str = field(metadata=doc("JSONL output; rerunning with the same file resumes", metavar="PATH"))
+    prompt: str | None = field(default=None, metadata=doc("what to ask about each input", metavar="TEXT"))
+    schema: dict[str, Any] | None = field(
+        default=None,
+        metadata=doc(
+            "a JSON Schema file: answers are constrained to it and parsed", parse=_json_file, metavar="FILE"
+        ),
+    )
+    model: str | None = field(
+        default=None, metadata=doc("in-process model (default: the embedded default)", metavar="MODEL")
+    )
+    servers: list[str] = field(
+        default_factory=list,
+        metadata=doc("an OpenAI-compatible server URL (repeatable)", flag="--server", repeat=True, metavar="URL"),
+    )
+    api_key: str | None = field(default=None, metadata=doc("the servers' API key", metavar="KEY"))
+    concurrency: int = field(
+        default=16, metadata=doc("requests in flight (in process: the engine's batch)", check=at_least(1))
+    )
+    fps: float | None = field(default=None, metadata=doc("video frames sampled per second", check=above(0)))
+    max_frames: int | None = field(default=None, metadata=doc("most frames per video", check=at_least(1)))
+    pdf_pages: str = field(default="each", metadata=doc("a row per page or per PDF", choices=("each", "document")))
+    pdf_longest_side: int = field(
+        default=PDF_LONGEST_SIDE, metadata=doc("pixels of a rendered page's longest side", check=at_least(1))
+    )
+    retries: int = field(default=2, metadata=doc("retries for transient errors and unparsable answers"))
+    limit: int | None = field(default=None, metadata=doc("only the first N inputs", check=at_least(1)))
+    max_tokens: int = field(default=512, metadata=doc("most tokens of each answer", check=at_least(1)))
+    temperature: float = field(
+        default=0.0, metadata=doc("sampling temperature (a retry of an unparsable answer raises it)")
+    )
+    dtype: str = field(default="auto", metadata=doc("in-process model: weights and activations", choices=DTYPES))
+    progress: bool = field(default=True, metadata=doc("a progress bar on stderr"))
+    extra_body: dict[str, Any] = field(
+        default_factory=dict,
+        metadata=doc("JSON merged into every request body, e.g. '{\"top_p\": 0.9}'", parse=json.loads, metavar="JSON"),
+    )
+    # Servers apply their own media rules; these are the in-process model's (its MediaConfig).
+    allow_private_media_urls: bool = field(
+        default=False,
+        metadata=doc(
+            "in-process model: media URLs may reach loopback, private and link-local addresses (an intranet)"
+        ),
+    )
+    allowed_media_domains: tuple[str, ...] | None = field(
+        default=None,
+        metadata=doc("in-process model: fetch media only from these hosts", parse=comma_list, metavar="HOSTS"),
+    )
+    # Each Ray actor holds one in-process engine with `concurrency` requests in its scheduler.
+    ray: str | None = field(
+        default=None,
+        metadata=doc(
+            'run on a Ray cluster over Ray Data: its address, "auto", or "local" to start one here (pip install '
+            "vlm-engine[ray]); rows and resuming are as without it",
+            metavar="ADDRESS",
+        ),
+    )
+    ray_actors: int = field(default=1, metadata=doc("with --ray: engine actors (each one model)", check=at_least(1)))
+    ray_actor_cpus: float = field(default=1.0, metadata=doc("with --ray: CPUs each actor reserves", check=above(0)))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ray is not None and self.servers:
+            raise ValueError("--ray runs the model in Ray actors; it does not go with --server")
 
 
 @dataclass

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from preprocess.prompt import PromptProcessor
-from vlm_engine.config import DEFAULT_MODEL
+from preprocess.video import select_video_device
+from vlm_engine.config import DEFAULT_MODEL, MediaConfig
 from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
 from vlm_engine.models import loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
@@ -141,11 +142,17 @@ def model_class(config: Any) -> type[nn.Module]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
-def prompt_processor(source: ModelSource, config: Any, video_device: str = "cpu", **limits: Any) -> PromptProcessor:
+def prompt_processor(source: ModelSource, hf_config: Any, media: MediaConfig | None = None) -> PromptProcessor:
     """The request -> ProcessedPrompt converter for this model: its family's prompt side (tokenizer,
-    media expansion, positions) under the generic message handling and media limits."""
-    prompts = family_of(config).prompts(source.directory, config, source.gguf_file, video_device)
-    return PromptProcessor(prompts, int(text_config_of(config).vocab_size), **limits)
+    media expansion, positions) under the generic message handling and `media` (limits, media per
+    prompt, video sampling, where frames are resized), for the in-process engine and the server's
+    preprocess workers alike. Without `media`: the default limits, frames resized on the CPU (a
+    caller that wants only the tokenizer touches no GPU)."""
+    media = media or MediaConfig(video_device="cpu")
+    video_device, reason = select_video_device(media.video_device)
+    logger.info("%s", reason)
+    prompts = family_of(hf_config).prompts(source.directory, hf_config, source.gguf_file, video_device)
+    return PromptProcessor(prompts, int(text_config_of(hf_config).vocab_size), media)
 
 
 def resolve_dtype(dtype: str, config: Any, device: torch.device, is_gguf: bool) -> torch.dtype:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vlm_engine.config import EngineConfig, FlatOptions, comma_list, doc, positive_float, positive_int, text_or_none
+from vlm_engine.config import EngineConfig, FlatOptions, Section, above, at_least, comma_list, doc, text_or_none
 
 
 def _app_names() -> list[str]:
@@ -22,7 +22,7 @@ def _tool_parser_names() -> list[str]:
 
 
 @dataclass(frozen=True)
-class ApiConfig:
+class ApiConfig(Section):
     """The HTTP API: where it listens, who may call it, what one request may ask."""
 
     host: str = field(default="127.0.0.1", metadata=doc("the address to listen on"))
@@ -34,15 +34,16 @@ class ApiConfig:
         ),
     )
     max_waiting_requests: int = field(
-        default=1024, metadata=doc("engine requests accepted but not yet running; beyond this many, answer 503")
+        default=1024,
+        metadata=doc("engine requests accepted but not yet running; beyond this many, answer 503", check=at_least(0)),
     )
     retry_after_s: int = field(
         default=1, metadata=doc("the Retry-After, in seconds, a 503 'overloaded' answer suggests")
     )
-    max_n: int = field(default=16, metadata=doc("most choices (n x prompts) in one request", parse=positive_int))
+    max_n: int = field(default=16, metadata=doc("most choices (n x prompts) in one request", check=at_least(1)))
     max_request_bytes: int = field(
         default=64 * 1024 * 1024,
-        metadata=doc("JSON body cap (413 above it); images come base64-encoded", parse=positive_int),
+        metadata=doc("JSON body cap (413 above it); images come base64-encoded", check=at_least(1)),
     )
     tool_call_parser: str = field(
         default="hermes",
@@ -50,23 +51,18 @@ class ApiConfig:
     )
 
     responses_store_entries: int = field(
-        default=1024, metadata=doc("responses kept for previous_response_id and GET /v1/responses/{id}", parse=positive_int)
+        default=1024,
+        metadata=doc("responses kept for previous_response_id and GET /v1/responses/{id}", check=at_least(1)),
     )
     responses_store_bytes: int = field(
         default=256 * 1024 * 1024,
-        metadata=doc("bytes (as JSON, images included) the stored responses may hold; oldest out first", parse=positive_int),
+        metadata=doc(
+            "bytes (as JSON, images included) the stored responses may hold; oldest out first", check=at_least(1)
+        ),
     )
     responses_store_ttl_s: float = field(
-        default=3600.0, metadata=doc("seconds a stored response is kept", metavar="SECONDS")
+        default=3600.0, metadata=doc("seconds a stored response is kept", metavar="SECONDS", check=above(0))
     )
-
-    def __post_init__(self) -> None:
-        if self.responses_store_ttl_s <= 0:
-            raise ValueError("responses_store_ttl_s must be > 0")
-        if self.max_waiting_requests < 0:
-            raise ValueError("max_waiting_requests must be >= 0")
-        if self.tool_call_parser not in _tool_parser_names():
-            raise ValueError(f"tool_call_parser must be one of {_tool_parser_names()}")
 
 
 def _origins(text: str) -> tuple[str, ...]:
@@ -74,7 +70,7 @@ def _origins(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class WebConfig:
+class WebConfig(Section):
     """A static web app hosted next to the API (server.apps), and CORS for pages served elsewhere."""
 
     app: str | None = field(
@@ -89,13 +85,9 @@ class WebConfig:
         ),
     )
 
-    def __post_init__(self) -> None:
-        if self.app is not None and self.app not in _app_names():
-            raise ValueError(f"app must be one of {_app_names()}")
-
 
 @dataclass(frozen=True)
-class ObservabilityConfig:
+class ObservabilityConfig(Section):
     """Metrics, logs and traces (docs/ARCHITECTURE.md, "Observability")."""
 
     replica_id: str | None = field(
@@ -104,7 +96,9 @@ class ObservabilityConfig:
     log_stats: bool = field(
         default=True, metadata=doc("latency/step metrics, per-step histograms and the periodic status line")
     )
-    log_stats_interval_s: float = field(default=10.0, metadata=doc("seconds between status lines (0: never)"))
+    log_stats_interval_s: float = field(
+        default=10.0, metadata=doc("seconds between status lines (0: never)", check=at_least(0))
+    )
     request_log: str | None = field(
         default=None,
         metadata=doc("append one JSON line per finished request (token ids included) to this file", metavar="PATH"),
@@ -114,16 +108,12 @@ class ObservabilityConfig:
         metadata=doc("enable POST /start_profile, /stop_profile; torch profiler traces go here", metavar="DIR"),
     )
 
-    def __post_init__(self) -> None:
-        if self.log_stats_interval_s < 0:
-            raise ValueError("log_stats_interval_s must be >= 0")
-
 
 @dataclass(frozen=True)
-class ProcessConfig:
+class ProcessConfig(Section):
     """The child processes: how many workers, their priority, start-up and shutdown."""
 
-    preprocess_workers: int = field(default=1, metadata=doc("preprocess worker processes", parse=positive_int))
+    preprocess_workers: int = field(default=1, metadata=doc("preprocess worker processes", check=at_least(1)))
     # API, preprocess and detokenizer yield the cores to the engine core. Measured (SmolLM2, 2 cores,
     # streaming, concurrency 64, bf16): nice 10 and 19 give the same tokens/s, but at 19 the API and
     # detokenizer get too little CPU while the core is saturated (ITL p50 ~190 ms vs ~110 ms, TTFT
@@ -141,16 +131,12 @@ class ProcessConfig:
         default="info", metadata=doc("the log level of every process", choices=("debug", "info", "warning", "error"))
     )
 
-    def __post_init__(self) -> None:
-        if self.preprocess_workers < 1:
-            raise ValueError("preprocess_workers must be >= 1")
-
 
 _RAY_ROUTINGS = ("affinity", "round_robin", "pow2")
 
 
 @dataclass(frozen=True)
-class RayConfig:
+class RayConfig(Section):
     """Scale-out on Ray Serve (vlm_engine.deploy): replicas of this whole server behind one endpoint."""
 
     ray: bool = field(default=False, metadata=doc("serve replicas of this server on Ray Serve (the 'ray' extra)"))
@@ -158,19 +144,19 @@ class RayConfig:
         default=None,
         metadata=doc("the Ray cluster to join ('auto', ray://...; default: start a local one)", metavar="ADDRESS"),
     )
-    ray_replicas: int = field(default=1, metadata=doc("replicas (the minimum when autoscaling)", parse=positive_int))
+    ray_replicas: int = field(default=1, metadata=doc("replicas (the minimum when autoscaling)", check=at_least(1)))
     ray_max_replicas: int | None = field(
         default=None,
-        metadata=doc("autoscale up to this many replicas on ongoing requests per replica", parse=positive_int),
+        metadata=doc("autoscale up to this many replicas on ongoing requests per replica", check=at_least(1)),
     )
     ray_target_ongoing_requests: float = field(
-        default=16.0, metadata=doc("autoscaling's target of ongoing requests per replica", parse=positive_float)
+        default=16.0, metadata=doc("autoscaling's target of ongoing requests per replica", check=above(0))
     )
     ray_max_ongoing_requests: int = field(
-        default=256, metadata=doc("requests one replica may hold before Serve queues more", parse=positive_int)
+        default=256, metadata=doc("requests one replica may hold before Serve queues more", check=at_least(1))
     )
     ray_replica_cpus: float = field(
-        default=1.0, metadata=doc("CPUs Ray reserves for each replica", parse=positive_float)
+        default=1.0, metadata=doc("CPUs Ray reserves for each replica", check=above(0))
     )
     ray_replica_gpus: float = field(
         default=0.0, metadata=doc("GPUs Ray reserves for each replica (and makes visible to it)", metavar="X")
@@ -182,8 +168,7 @@ class RayConfig:
     )  # fmt: skip
 
     def __post_init__(self) -> None:
-        if self.ray_routing not in _RAY_ROUTINGS:
-            raise ValueError(f"ray_routing must be one of {_RAY_ROUTINGS}")
+        super().__post_init__()
         if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
             raise ValueError("ray_max_replicas must be >= ray_replicas")
 

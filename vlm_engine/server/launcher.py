@@ -201,7 +201,7 @@ async def _serve_http(config: ServerConfig, paths: ipc.IpcPaths, children: Child
     client = EngineClient(
         paths,
         config.process.preprocess_workers,
-        fetcher=MediaFetcher(media.fetch_limits(), media.max_concurrent_media_fetches),
+        fetcher=MediaFetcher(media),
         media_time_budget_s=media.media_time_budget_s or None,
     )
     client.start()

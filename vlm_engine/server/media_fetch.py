@@ -12,7 +12,7 @@ the file byte cap.
 The same checks as before apply, because the same code fetches: `preprocess.media`'s async
 fetcher (http(s) only, every redirect hop resolved, checked and pinned, byte caps, per-kind
 timeouts). Data URIs and local paths are left to the worker (no network; the worker enforces
-their limits). At most `max_concurrent` downloads run at once in this process, so a flood of URLs
+their limits). At most `max_concurrent_media_fetches` downloads run at once in this process, so a flood of URLs
 cannot open unbounded connections.
 """
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from preprocess.errors import MediaError
-from preprocess.media import MediaLimits, fetch_http_async, is_http_url
+from preprocess.media import fetch_http_async, is_http_url
+from vlm_engine.config import MediaConfig
 
 # content part type -> (the part's field holding the source, the source's key when that field is an object, the
 # media kind). A file part's object is OpenAI's `{"file_url": ..., "filename": ...}`; its kind selects the byte cap.
@@ -91,9 +92,9 @@ def with_fetched(messages: list[Any], fetched: dict[RemotePart, bytes]) -> list[
 class MediaFetcher:
     """Downloads a request's remote media concurrently, bounded per process and per request."""
 
-    def __init__(self, limits: MediaLimits, max_concurrent: int = 64) -> None:
-        self.limits = limits
-        self._slots = asyncio.Semaphore(max_concurrent)
+    def __init__(self, media: MediaConfig) -> None:
+        self.limits = media
+        self._slots = asyncio.Semaphore(media.max_concurrent_media_fetches)
 
     async def fetch_all(self, messages: list[Any], deadline: float | None) -> tuple[list[Any], float]:
         """`messages` with every http(s) source replaced by its bytes, and the seconds it took.

@@ -36,24 +36,10 @@ logger = logging.getLogger(__name__)
 def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int) -> None:
     """Child-process entry point."""
     init_child(f"vlm-prep-{index}", config.process.log_level, side=True, nice=config.process.side_process_nice)
-    from preprocess.video import FrameCache, select_video_device
     from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
-    media = config.engine.media
     source = resolve_model(config.engine.model.model)
-    video_device, reason = select_video_device(media.video_device)
-    logger.info("preprocess worker %d: %s", index, reason)
-    processor = prompt_processor(
-        source,
-        load_config(source),
-        video_device,
-        limits=media.fetch_limits(),
-        max_images=media.limit_mm_per_prompt.image,
-        max_videos=media.limit_mm_per_prompt.video,
-        video_limits=media.video_limits(),
-        video_sampling=media.video_sampling(),
-        frame_cache=FrameCache(media.video_frame_cache_bytes),
-    )
+    processor = prompt_processor(source, load_config(source), config.engine.media)  # as the in-process Engine's
     checker = ConstraintChecker(processor)
     if config.process.warmup:
         checker.compiler  # noqa: B018 - build the tokenizer index before the first request needs it

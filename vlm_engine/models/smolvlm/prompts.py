@@ -24,8 +24,9 @@ import torch
 
 from preprocess.errors import MediaError, PromptError
 from preprocess.family_prompts import FrameChooser, placeholder_runs
-from preprocess.video import VideoInfo, VideoSampling, hf_video_metadata
+from preprocess.video import VideoInfo, hf_video_metadata
 from vlm_engine.cache.page_hash import MediaSpan
+from vlm_engine.config import MediaConfig
 from vlm_engine.inputs import MediaInput
 from vlm_engine.models.hf_prompts import Expansion, ProcessorPrompts, part_hashes, processor_step
 
@@ -54,10 +55,10 @@ class SmolVLMPrompts(ProcessorPrompts):
         clip's first and last second, so it must be the cap in force."""
         video_processor = self.processor.video_processor
 
-        def choose(info: VideoInfo, sampling: VideoSampling) -> list[int]:
-            cap = min(sampling.max_frames, int(video_processor.num_frames))
+        def choose(info: VideoInfo, media: MediaConfig) -> list[int]:
+            cap = min(media.video_max_frames, int(video_processor.num_frames))
             try:
-                indices = video_processor.sample_frames(hf_video_metadata(info), num_frames=cap, fps=sampling.fps)
+                indices = video_processor.sample_frames(hf_video_metadata(info), num_frames=cap, fps=media.video_fps)
             except ValueError as exc:
                 raise MediaError(f"cannot sample frames from this video: {exc}") from None
             return [int(i) for i in indices]
