@@ -24,12 +24,11 @@ def tiny_vlm_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_tiny_vlm(tiny_vlm_dir: Path) -> tuple[Any, Any]:
-    import torch
-    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+def hf_tiny_vlm() -> tuple[Any, Any]:
+    """Transformers' model and processor of the tiny Qwen2-VL, shared with the family matrix."""
+    from tests.family_table import family, hf_model
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(str(tiny_vlm_dir), dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(str(tiny_vlm_dir))
+    return hf_model(family("qwen2-vl"))
 
 
 @pytest.fixture(scope="session")

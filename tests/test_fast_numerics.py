@@ -108,9 +108,12 @@ def compare_greedy_logprobs(fast_out, exact_out) -> int:
 
 
 @pytest.fixture(scope="module")
-def tiny_pair(tiny_vlm_dir: Path) -> tuple[Engine, Engine]:
-    kwargs = {"dtype": "float32", "kv_cache_tokens": 2048}
-    return Engine(str(tiny_vlm_dir), numerics="fast", **kwargs), Engine(str(tiny_vlm_dir), numerics="exact", **kwargs)
+def tiny_pair() -> tuple[Engine, Engine]:
+    """The tiny Qwen2-VL's fast and exact engines, shared with the family matrix (tests/family_table.py),
+    which also checks greedy agreement with an image on every family."""
+    from tests.family_table import exact_engine, family, fast_engine
+
+    return fast_engine(family("qwen2-vl")), exact_engine(family("qwen2-vl"))
 
 
 def test_exact_mode_runs_transformers_ops(tiny_pair: tuple[Engine, Engine]) -> None:
@@ -131,28 +134,6 @@ def test_tiny_vlm_per_position_logprobs_match_exact(tiny_pair: tuple[Engine, Eng
     got, want = prefill_logprobs(fast, ids), prefill_logprobs(exact, ids)
     assert got.shape == want.shape == (len(ids), want.shape[1])
     assert (got - want).abs().max().item() < LOGPROB_ATOL
-
-
-def test_tiny_vlm_greedy_with_image_agrees_with_exact(tiny_pair: tuple[Engine, Engine]) -> None:
-    from tests.conftest import make_image
-
-    fast, exact = tiny_pair
-    conversations = [
-        [
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image", "image": make_image(64, 48, 1)},
-                    {"type": "text", "text": "What is in the picture?"},
-                ],
-            }
-        ],
-        [{"role": "user", "content": "Tell me a story about a dragon."}],
-    ]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
-    for f, e in zip(fast.chat(conversations, params), exact.chat(conversations, params)):
-        compare_greedy_logprobs(f, e)
-
 
 
 def test_layer_plans_follow_a_replaced_linear(tiny_pair: tuple[Engine, Engine]) -> None:

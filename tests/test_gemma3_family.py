@@ -1,9 +1,9 @@
-"""Gemma 3: greedy tokens from Engine equal Transformers' `generate` in exact fp32 on a tiny random
-checkpoint built from the real config classes (testkit/gemma3_checkpoints.py: a 32-token
-sliding window on 3 of 5 layers, 16 tokens an image): text; one image; two images of odd sizes;
-multi-turn; prompts longer than the window with images on both sides of its edge; batched = alone;
-prefix cache on = off; preempted = not; prefill chunks whose budget ends inside an image; pan-and-scan
-crops. Plus fast numerics (fp32) against exact, and the bf16 fused path against bf16 exact."""
+"""Gemma 3 beyond the family matrix (tests/test_family_matrix.py), on the tiny checkpoint
+(testkit/gemma3_checkpoints.py: a 32-token sliding window on 3 of 5 layers, 16 tokens an image): the
+windows and the bidirectional image blocks, prompts longer than the window with images on both sides of its
+edge, each image's span its token-type run, prefill chunks whose budget ends inside an image, pan-and-scan
+crops, the bf16 fused path against bf16 exact; and on the released configs (meta device) the layouts,
+windows and rotary bases of gemma-3-4b-it / 12b-it and the text-only gemma-3-1b-it's names."""
 
 from __future__ import annotations
 
@@ -15,55 +15,28 @@ import pytest
 import torch
 
 from tests.conftest import make_image, to_hf_messages, user
-from tests.family_matrix import (
-    base_conversations,
-    exact_engine,
-    fast_agreement,
-    hf_references,
-    load_hf_model,
-    uncached_engine,
-)
+from tests.family_table import GEMMA3_WINDOW as WINDOW
+from tests.family_table import exact_engine, family, hf_model, meta_model, references
+from tests.released_configs import GEMMA_3_1B, GEMMA3_TEXT, gemma3_config
 from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
-from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from vlm_engine.models import loader
+from vlm_engine.models.gemma3.model import Gemma3ForCausalLM
 
-MAX_TOKENS = 24
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-WINDOW = GEMMA3_PRESETS["tiny"]["text"]["sliding_window"]
+GEMMA3 = family("gemma3")
+CONVERSATIONS = GEMMA3.conversations
+MAX_TOKENS = GEMMA3.max_tokens
+GREEDY = GEMMA3.greedy
 
-LONG_TEXT = (
-    "The old bridge crossed the river near the market, and every morning the farmers walked over it "
-    "with their baskets of apples, bread and flowers while the children ran ahead to the school."
-)
-CONVERSATIONS = [
-    *base_conversations(),
-    # Longer than the window: the first image and the text after it fall out of the sliding layers'
-    # window before the second image and the question, which sit inside it.
-    user("Look:", make_image(80, 60, 5), LONG_TEXT, make_image(45, 90, 6), "And now, what changed?"),
-    # An image right at the start, then a long text: the image leaves the window during the prompt.
-    user(make_image(120, 40, 7), LONG_TEXT + " " + LONG_TEXT),
-]
-NAMES = ["text", "one-image", "two-odd-images", "multi-turn", "images-across-window", "image-then-long-text"]
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return exact_engine(GEMMA3)
 
 
 @pytest.fixture(scope="module")
 def checkpoint() -> Path:
-    return cached_gemma3("tiny")
-
-
-@pytest.fixture(scope="module")
-def hf_model(checkpoint: Path) -> tuple[Any, Any]:
-    return load_hf_model(checkpoint)
-
-
-@pytest.fixture(scope="module")
-def references(hf_model: tuple[Any, Any]) -> list[list[int]]:
-    return hf_references(hf_model, CONVERSATIONS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def engine(checkpoint: Path) -> Engine:
-    return exact_engine(checkpoint)
+    return GEMMA3.path
 
 
 def test_the_model_has_windows_and_bidirectional_images(engine: Engine) -> None:
@@ -82,52 +55,20 @@ def test_long_prompts_cross_the_window(engine: Engine) -> None:
             assert len(prompt.token_ids) - last.end < WINDOW  # the last one is (at least partly) inside it
 
 
-def test_prompt_equals_hf_processor(engine: Engine, hf_model: tuple[Any, Any]) -> None:
-    _, processor = hf_model
+def test_each_images_span_is_its_token_type_run(engine: Engine) -> None:
+    """One item per image, its span the image-token run (Transformers' bidirectional block)."""
+    _, processor = hf_model(GEMMA3)
     for conv in CONVERSATIONS:
         hf_messages, images = to_hf_messages(conv)
         text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
         inputs = processor(text=[text], images=images or None, return_tensors="pt")
         prompt = engine.process_messages(conv)
-        assert prompt.token_ids == inputs["input_ids"][0].tolist()
-        # one item per image, its span the image-token run (Transformers' bidirectional block)
         image_rows = [i for i, t in enumerate(inputs["token_type_ids"][0].tolist()) if t == 1]
         assert [i for m in prompt.media for i in range(m.span.offset, m.span.end)] == image_rows
         assert len(prompt.media) == len(images)
 
 
-@pytest.mark.parametrize("index", range(len(CONVERSATIONS)), ids=NAMES)
-def test_alone_matches_hf(engine: Engine, references: list[list[int]], index: int) -> None:
-    assert engine.chat([CONVERSATIONS[index]], GREEDY)[0].token_ids == references[index]
-
-
-def test_batched_equals_alone(engine: Engine, references: list[list[int]]) -> None:
-    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == references
-    assert engine.pool.num_free == engine.pool.num_pages
-
-
-def test_prefix_cache_on_equals_off(checkpoint: Path, engine: Engine, references: list[list[int]]) -> None:
-    conv = CONVERSATIONS[4]  # longer than the window: the sliding layers' cached pages cross its edge
-    first = engine.chat([conv], GREEDY)[0]
-    again = engine.chat([conv], GREEDY)[0]
-    assert again.cached_tokens > 0
-    uncached = uncached_engine(checkpoint)
-    off = uncached.chat([conv], GREEDY)[0]
-    assert off.cached_tokens == 0
-    assert first.token_ids == again.token_ids == off.token_ids == references[4]
-
-
-def test_preempted_equals_not(checkpoint: Path, references: list[list[int]]) -> None:
-    # A pool of about two prompts' worth, filled by 48-token chunks of several prompts, makes the batch preempt.
-    engine = Engine(
-        str(checkpoint), dtype="float32", kv_cache_tokens=256, max_num_batched_tokens=48, page_size=16, numerics="exact"
-    )
-    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == references
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.pool.num_free == engine.pool.num_pages
-
-
-def test_chunked_prefill_with_the_budget_inside_an_image(checkpoint: Path, references: list[list[int]]) -> None:
+def test_chunked_prefill_with_the_budget_inside_an_image(checkpoint: Path) -> None:
     """24-token chunks: the budget runs out inside image spans (16 tokens each, not at 24-token
     boundaries); the chunk ends before such an image, whose tokens attend to each other both ways."""
     engine = Engine(
@@ -135,9 +76,9 @@ def test_chunked_prefill_with_the_budget_inside_an_image(checkpoint: Path, refer
     )
     prompts = [engine.process_messages(c) for c in CONVERSATIONS]
     assert any(m.span.offset // 24 != (m.span.end - 1) // 24 for p in prompts for m in p.media)
-    for conv, want in zip(CONVERSATIONS, references):
+    for conv, want in zip(CONVERSATIONS, references(GEMMA3)):
         assert engine.chat([conv], GREEDY)[0].token_ids == want
-    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == references
+    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == list(references(GEMMA3))
 
 
 # ---- pan-and-scan --------------------------------------------------------------------------------
@@ -158,12 +99,12 @@ def pan_and_scan_checkpoint(checkpoint: Path, tmp_path_factory: pytest.TempPathF
     return path
 
 
-def test_pan_and_scan_crops_match_hf(pan_and_scan_checkpoint: Path, hf_model: tuple[Any, Any]) -> None:
+def test_pan_and_scan_crops_match_hf(pan_and_scan_checkpoint: Path) -> None:
     """The checkpoint's image processor config turns pan-and-scan on; Transformers' processor takes it
     as a call argument: each crop is an image-token run and a media item of its own."""
     from transformers import AutoProcessor
 
-    model, _ = hf_model
+    model, _ = hf_model(GEMMA3)
     processor = AutoProcessor.from_pretrained(str(pan_and_scan_checkpoint))
     conv = user("Wide and tall:", make_image(150, 40, 8), make_image(30, 100, 9), "Describe both.")
     hf_messages, images = to_hf_messages(conv)
@@ -185,20 +126,49 @@ def test_pan_and_scan_crops_match_hf(pan_and_scan_checkpoint: Path, hf_model: tu
 # ---- the engine's other numerics on this family --------------------------------------------------
 
 
-def test_fast_numerics_agree_with_exact(checkpoint: Path, engine: Engine) -> None:
-    agreed = fast_agreement(checkpoint, engine, [CONVERSATIONS[2], CONVERSATIONS[4]], MAX_TOKENS)
-    assert min(agreed) >= MAX_TOKENS // 2, agreed
-
-
-def test_bf16_fused_path_runs_gemma_layers(checkpoint: Path) -> None:
+def test_bf16_fused_path_runs_gemma_layers(checkpoint: Path, ops: object) -> None:
     """bf16 fast numerics (fused ops on, linears prepacked): Gemma's layers have no fused plan and run
     as their modules with the fused ops that are exact for them; greedy tokens agree with bf16 exact
     (Transformers' ops) for most of the run."""
     fast = Engine(str(checkpoint), dtype="bfloat16", kv_cache_tokens=2048, numerics="fast")
     exact = Engine(str(checkpoint), dtype="bfloat16", kv_cache_tokens=2048, numerics="exact")
-    if fast.runner.fused_ops is None:
-        pytest.skip("the fused-ops extension did not build here")
+    assert fast.runner.fused_ops is not None  # `ops`: built, or this test failed (CI) / skipped with the errors
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     convs = CONVERSATIONS[:3]
     agreed = [greedy_agreement(f.token_ids, e.token_ids) for f, e in zip(fast.chat(convs, params), exact.chat(convs, params))]
     assert sum(agreed) >= len(convs) * MAX_TOKENS // 2, agreed
+
+
+# ---- the released configs, on the meta device ----------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA3_TEXT))
+def test_the_real_layouts_windows_and_rope(name: str) -> None:
+    config = gemma3_config(name)
+    model: Any = meta_model(config)
+    text = config.text_config
+    layers, kv_heads, head_dim = model.kv_layout
+    assert (layers, kv_heads, head_dim) == (text.num_hidden_layers, text.num_key_value_heads, 256)
+    # five sliding layers of 1024 tokens, then a full one
+    assert model.attention_windows == tuple(0 if (i + 1) % 6 == 0 else 1024 for i in range(layers))
+    assert model.bidirectional_media
+    attn = model.model.layers[0].self_attn
+    assert attn.scale == 256**-0.5 and attn.window == 1024
+    # the local layers rotate with base 1e4, the global ones with theta 1e6 over 8 (linear scaling)
+    local, full = (model.model.rotaries[model.model.layer_rotary[i]] for i in (0, 5))
+    assert torch.allclose(local.inv_freq[1], torch.tensor(10000.0 ** (-2 / 256)))
+    assert torch.allclose(full.inv_freq[1], torch.tensor(1000000.0 ** (-2 / 256) / 8))
+
+
+def test_the_text_only_model_loads_gemma_3_1b() -> None:
+    from transformers import Gemma3ForCausalLM as HFGemma3ForCausalLM
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**GEMMA_3_1B, architectures=["Gemma3ForCausalLM"])
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(config)
+        hf = HFGemma3ForCausalLM(config)
+    checkpoint = [(n, torch.empty(t.shape, device="meta")) for n, t in hf.state_dict().items() if n != "lm_head.weight"]
+    assert loader.load_weights(model, checkpoint) == []
+    assert model.attention_windows.count(512) == 22 and model.attention_windows.count(0) == 4
+    assert not model.bidirectional_media

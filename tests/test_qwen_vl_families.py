@@ -1,108 +1,35 @@
-"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: greedy tokens from Engine equal Transformers' `generate` in
-exact fp32 on tiny random checkpoints built from the real config classes (text; one image; two images
-of odd sizes; multi-turn; video; image + video; batched = alone; prefix cache on = off; preempted and
-chunked through the images = not), plus fast numerics against exact, structured output and
-speculative decoding on the same checkpoints."""
+"""The Qwen-VL families beyond the family matrix (tests/test_family_matrix.py): Qwen2.5-VL, Qwen3-VL and
+Qwen3-VL-MoE on video (alone, with an image, the temporal positions, the frame cap) against Transformers end
+to end, n-gram speculation token-exact; Qwen2-VL with requests arriving while others decode and a prefix
+cache that reuses only the text before a different picture."""
 
 from __future__ import annotations
 
-import json
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from tests.conftest import make_image, to_hf_messages
-from tests.family_matrix import (
-    STRUCTURED_SCHEMA,
-    base_conversations,
-    exact_engine,
-    fast_agreement,
-    hf_references,
-    load_hf_model,
-    uncached_engine,
-    wide_image,
-)
-from vlm_engine import Engine, SamplingParams
-from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
+from tests.conftest import make_image, user
+from tests.family_table import Family, exact_engine, family, hf_model, references
+from vlm_engine import Engine
 from testkit.videos import make_clip
 
-MAX_TOKENS = 20
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 FPS = 2.0
-VARIANTS = {
-    "qwen2.5-vl": lambda: cached_qwen2_5_vl("tiny"),
-    "qwen3-vl": lambda: cached_qwen3_vl("tiny"),
-    "qwen3-vl-moe": lambda: cached_qwen3_vl("tiny-moe"),
-}
+MAX_TOKENS = 20
+GREEDY = family("qwen2.5-vl").greedy
 
 
-CONVERSATIONS = [*base_conversations(), wide_image()]
-NAMES = ["text", "one-image", "two-odd-images", "multi-turn", "wide-image"]
-
-
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def variant(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    return request.param, VARIANTS[request.param]()
+@pytest.fixture(scope="module", params=["qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"])
+def row(request: pytest.FixtureRequest) -> Family:
+    return family(request.param)
 
 
 @pytest.fixture(scope="module")
-def hf_model(variant: tuple[str, Path]) -> tuple[Any, Any]:
-    return load_hf_model(variant[1])
-
-
-@pytest.fixture(scope="module")
-def references(hf_model: tuple[Any, Any]) -> list[list[int]]:
-    return hf_references(hf_model, CONVERSATIONS, MAX_TOKENS)
-
-
-@pytest.fixture(scope="module")
-def engine(variant: tuple[str, Path]) -> Engine:
-    return exact_engine(variant[1])
-
-
-def test_prompt_equals_hf_processor(engine: Engine, hf_model: tuple[Any, Any]) -> None:
-    _, processor = hf_model
-    for conv in CONVERSATIONS:
-        hf_messages, images = to_hf_messages(conv)
-        text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
-        ids = processor(text=[text], images=images or None, return_tensors="pt")["input_ids"][0].tolist()
-        assert engine.process_messages(conv).token_ids == ids
-
-
-@pytest.mark.parametrize("index", range(len(CONVERSATIONS)), ids=NAMES)
-def test_alone_matches_hf(engine: Engine, references: list[list[int]], index: int) -> None:
-    assert engine.chat([CONVERSATIONS[index]], GREEDY)[0].token_ids == references[index]
-
-
-def test_batched_equals_alone(engine: Engine, references: list[list[int]]) -> None:
-    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == references
-    assert engine.pool.num_free == engine.pool.num_pages
-
-
-def test_prefix_cache_on_equals_off(variant: tuple[str, Path], engine: Engine, references: list[list[int]]) -> None:
-    conv = CONVERSATIONS[2]
-    first = engine.chat([conv], GREEDY)[0]
-    again = engine.chat([conv], GREEDY)[0]
-    assert again.cached_tokens >= again.prompt_tokens - engine.config.cache.page_size  # the images' KV reused
-    uncached = uncached_engine(variant[1])
-    off = uncached.chat([conv], GREEDY)[0]
-    assert off.cached_tokens == 0
-    assert first.token_ids == again.token_ids == off.token_ids == references[2]
-
-
-def test_preempted_and_chunked_through_images_equals_not(variant: tuple[str, Path], references: list[list[int]]) -> None:
-    # 48-token chunks split every image's placeholder run (up to 64 tokens); a pool of two prompts'
-    # worth makes the batch preempt.
-    engine = Engine(
-        str(variant[1]), dtype="float32", kv_cache_tokens=200, max_num_batched_tokens=48, page_size=8, numerics="exact"
-    )
-    assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == references
-    assert engine.scheduler.num_preemptions > 0
-    assert engine.pool.num_free == engine.pool.num_pages
+def engine(row: Family) -> Engine:
+    return exact_engine(row)
 
 
 # ---- video ---------------------------------------------------------------------------------------
@@ -148,27 +75,27 @@ def video_conv(data: bytes, image: Any = None) -> list[dict[str, Any]]:
     return [{"role": "user", "content": content}]
 
 
-def test_video_matches_hf(engine: Engine, hf_model: tuple[Any, Any], clip: bytes) -> None:
+def test_video_matches_hf(engine: Engine, row: Family, clip: bytes) -> None:
     ours = engine.chat([video_conv(clip)], GREEDY, mm_processor_kwargs={"fps": FPS})[0]
-    assert ours.token_ids == hf_video_greedy(hf_model, clip)
+    assert ours.token_ids == hf_video_greedy(hf_model(row), clip)
 
 
-def test_image_and_video_match_hf(engine: Engine, hf_model: tuple[Any, Any], clip: bytes) -> None:
+def test_image_and_video_match_hf(engine: Engine, row: Family, clip: bytes) -> None:
     image = make_image(61, 45, 9)
     conv = video_conv(clip, image)
     kinds = [m.kind for m in engine.process_messages(conv, mm_processor_kwargs={"fps": FPS}).media]
     assert kinds[0] == "video" and kinds[-1] == "image"
     ours = engine.chat([conv], GREEDY, mm_processor_kwargs={"fps": FPS})[0]
-    assert ours.token_ids == hf_video_greedy(hf_model, clip, image)
+    assert ours.token_ids == hf_video_greedy(hf_model(row), clip, image)
 
 
-def test_video_time_spaces_the_temporal_positions(engine: Engine, variant: tuple[str, Path], clip: bytes) -> None:
+def test_video_time_spaces_the_temporal_positions(engine: Engine, row: Family, clip: bytes) -> None:
     """Qwen2.5-VL: a video's temporal positions step by tokens_per_second x seconds per frame group;
     Qwen3-VL: each frame group is its own item behind its timestamp text."""
     prompt = engine.process_messages(video_conv(clip), mm_processor_kwargs={"fps": FPS})
     videos = [m for m in prompt.media if m.kind == "video"]
     assert prompt.positions is not None
-    if variant[0] == "qwen2.5-vl":
+    if row.name == "qwen2.5-vl":
         (video,) = videos
         assert video.grid_seconds == pytest.approx(2 / FPS)  # 2 frames per temporal step at 2 fps
         t_axis = np.unique(prompt.positions[0, video.span.offset : video.span.end])
@@ -178,27 +105,12 @@ def test_video_time_spaces_the_temporal_positions(engine: Engine, variant: tuple
         assert engine.tokenizer.decode(prompt.token_ids).count(" seconds>") == len(videos)
 
 
-# ---- the engine's other paths on these families --------------------------------------------------
-
-
-def test_fast_numerics_agree_with_exact(variant: tuple[str, Path], engine: Engine) -> None:
-    agreed = fast_agreement(variant[1], engine, [CONVERSATIONS[2], CONVERSATIONS[3]], MAX_TOKENS)
-    assert min(agreed) >= MAX_TOKENS // 2, agreed
-
-
-def test_structured_output_with_an_image(engine: Engine) -> None:
-    params = SamplingParams(max_tokens=80, temperature=0.0, json_schema=STRUCTURED_SCHEMA)
-    out = engine.chat([CONVERSATIONS[1]], params)[0]
-    assert out.finish_reason == "stop"
-    assert set(json.loads(out.text)) == {"title", "year"}
-
-
-def test_ngram_speculation_is_token_exact(variant: tuple[str, Path], references: list[list[int]]) -> None:
+def test_ngram_speculation_is_token_exact(row: Family) -> None:
     spec = Engine(
-        str(variant[1]), dtype="float32", kv_cache_tokens=4096, numerics="exact",
+        str(row.path), dtype="float32", kv_cache_tokens=4096, numerics="exact",
         speculative="ngram", speculative_disable_batch_size=1000,
     )
-    assert [o.token_ids for o in spec.chat(CONVERSATIONS[:3], GREEDY)] == references[:3]
+    assert [o.token_ids for o in spec.chat(row.conversations[:3], row.greedy)] == list(references(row)[:3])
 
 
 def test_max_frames_caps_the_video(engine: Engine) -> None:
@@ -207,3 +119,38 @@ def test_max_frames_caps_the_video(engine: Engine) -> None:
     long_clip = make_clip(width=64, height=48, fps=10, seconds=20)
     prompt = engine.process_messages(video_conv(long_clip), mm_processor_kwargs={"fps": FPS, "max_frames": 8})
     assert sum(m.grid_thw[0] for m in prompt.media if m.kind == "video") == 4
+
+
+# ---- Qwen2-VL ---------------------------------------------------------------------------------------------
+
+
+def test_requests_arriving_while_others_decode() -> None:
+    qwen2_vl = family("qwen2-vl")
+    engine, convs, greedy = exact_engine(qwen2_vl), qwen2_vl.conversations, qwen2_vl.greedy
+    pending = {engine.add_request(engine.process_messages(convs[i]), greedy): i for i in (0, 1)}
+    results: dict[int, list[int]] = {}
+    later = [2, 3, 4, 5, 6, 7]
+    steps = 0
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                results[pending.pop(out.request_id)] = out.token_ids
+        steps += 1
+        if later and steps % 3 == 0:  # a newcomer every few decode steps
+            i = later.pop(0)
+            pending[engine.add_request(engine.process_messages(convs[i]), greedy)] = i
+    assert [results[i] for i in range(8)] == list(references(qwen2_vl))
+
+
+def test_prefix_cache_reuses_only_the_text_before_another_picture() -> None:
+    qwen2_vl = family("qwen2-vl")
+    engine = exact_engine(qwen2_vl)
+    first = engine.chat([qwen2_vl.conversations[4]], qwen2_vl.greedy)[0]
+    again = engine.chat([qwen2_vl.conversations[4]], qwen2_vl.greedy)[0]
+    assert first.token_ids == again.token_ids == references(qwen2_vl)[4]
+    assert again.cached_tokens > 0 and again.cached_tokens >= again.prompt_tokens - engine.config.cache.page_size
+    other_image = user(make_image(120, 120, 99), "Describe it in detail.")
+    third = engine.chat([other_image], qwen2_vl.greedy)[0]
+    # Same text and placeholder count, different pixels: only the text before the image is reusable.
+    image_offset = engine.process_messages(other_image).media[0].span.offset
+    assert third.cached_tokens <= image_offset

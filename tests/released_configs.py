@@ -1,0 +1,243 @@
+"""The real config.json values of released checkpoints, for the names check of the family matrix
+(tests/test_family_matrix.py): each model is built on the meta device from them, and the tensor names and
+shapes the released safetensors hold come from Transformers' own model built from the same config (on meta),
+written the way the released files name them (`Release.renames`, `Release.transposed`).
+
+Qwen2.5-VL-3B/7B-Instruct (named `model.*` / `visual.*`, its original release), Qwen3-VL-2B/4B/8B-Instruct and
+Qwen3-VL-30B-A3B-Instruct (the MoE: experts stored [E, hidden, 2I] / [E, I, hidden], which Transformers
+transposes on load), SmolVLM2-256M/500M-Video-Instruct, SmolVLM2-2.2B-Instruct and SmolVLM-256M-Instruct
+(Idefics3; named as Transformers names them), gemma-3-4b-it and gemma-3-12b-it (`language_model.model.*`,
+`vision_tower.vision_model.*`, `multi_modal_projector.*`, which Transformers 5 renames on load; tied)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Release:
+    config: Callable[[], Any]
+    renames: tuple[tuple[str, str], ...] = ()  # Transformers' name prefix -> the released file's
+    transposed: tuple[str, ...] = ()  # name suffixes stored with their last two dims swapped
+
+
+def released_checkpoint(release: Release, config: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, meta tensor) of each tensor the released safetensors hold; a tied LM head is not stored."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        hf = AutoModelForImageTextToText.from_config(config)
+    tensors = []
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        for old, new in release.renames:
+            name = name.replace(old, new, 1)
+        if name.endswith(release.transposed):
+            tensor = tensor.transpose(1, 2)
+        tensors.append((name, torch.empty(tensor.shape, device="meta")))
+    return tensors
+
+
+# ---- Qwen2.5-VL, Qwen3-VL ---------------------------------------------------------------------------
+
+QWEN2_5_VL_VISION = {
+    "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "patch_size": 14, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+    "hidden_act": "silu", "in_channels": 3,
+}  # fmt: skip
+QWEN3_VL_VISION_SMALL = {  # Qwen3-VL-2B / 4B
+    "depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "patch_size": 16, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17],
+    "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+}  # fmt: skip
+QWEN3_VL_VISION_LARGE = dict(  # Qwen3-VL-8B / 30B-A3B
+    QWEN3_VL_VISION_SMALL, depth=27, hidden_size=1152, intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24]
+)
+QWEN2_5_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+
+
+def _qwen3_text(**values: Any) -> dict[str, Any]:
+    return dict(
+        vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6, head_dim=128, hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [24, 20, 20],
+                         "mrope_interleaved": True},
+        **values,
+    )  # fmt: skip
+
+
+def _qwen(class_name: str, text: dict[str, Any], vision: dict[str, Any], tied: bool) -> Callable[[], Any]:
+    def config() -> Any:
+        import transformers
+
+        architecture = class_name.removesuffix("Config") + "ForConditionalGeneration"
+        config_class = getattr(transformers, class_name)
+        return config_class(text_config=text, vision_config=vision, tie_word_embeddings=tied, architectures=[architecture])
+
+    return config
+
+
+QWEN2_5_VL_LEGACY = (("model.language_model.", "model."), ("model.visual.", "visual."))
+QWEN3_VL_MOE_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+QWEN2_5_VL_RELEASES = {
+    "Qwen2.5-VL-3B-Instruct": Release(_qwen(
+        "Qwen2_5_VLConfig",
+        {"hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36, "num_attention_heads": 16,
+         "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+         "rope_parameters": QWEN2_5_VL_ROPE},
+        dict(QWEN2_5_VL_VISION, out_hidden_size=2048),
+        True,
+    ), QWEN2_5_VL_LEGACY),
+    "Qwen2.5-VL-7B-Instruct": Release(_qwen(
+        "Qwen2_5_VLConfig",
+        {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+         "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+         "rope_parameters": QWEN2_5_VL_ROPE},
+        dict(QWEN2_5_VL_VISION, out_hidden_size=3584),
+        False,
+    ), QWEN2_5_VL_LEGACY),
+}  # fmt: skip
+QWEN3_VL_RELEASES = {
+    "Qwen3-VL-2B-Instruct": Release(_qwen(
+        "Qwen3VLConfig",
+        _qwen3_text(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                    num_key_value_heads=8),
+        dict(QWEN3_VL_VISION_SMALL, out_hidden_size=2048),
+        True,
+    )),
+    "Qwen3-VL-4B-Instruct": Release(_qwen(
+        "Qwen3VLConfig",
+        _qwen3_text(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8),
+        dict(QWEN3_VL_VISION_SMALL, out_hidden_size=2560),
+        True,
+    )),
+    "Qwen3-VL-8B-Instruct": Release(_qwen(
+        "Qwen3VLConfig",
+        _qwen3_text(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8),
+        dict(QWEN3_VL_VISION_LARGE, out_hidden_size=4096),
+        False,
+    )),
+}  # fmt: skip
+QWEN3_VL_MOE_RELEASES = {
+    "Qwen3-VL-30B-A3B-Instruct": Release(_qwen(
+        "Qwen3VLMoeConfig",
+        _qwen3_text(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                    decoder_sparse_step=1, mlp_only_layers=[]),
+        dict(QWEN3_VL_VISION_LARGE, out_hidden_size=2048),
+        False,
+    ), transposed=QWEN3_VL_MOE_EXPERTS),
+}  # fmt: skip
+
+
+# ---- SmolVLM2, SmolVLM (Idefics3) --------------------------------------------------------------------
+
+# SigLIP-B/16 at 512 px (the 256M / 500M towers) and SigLIP so400m/14 at 384 px (the 2.2B's)
+VISION_BASE_512 = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+    "patch_size": 16, "image_size": 512,
+}  # fmt: skip
+VISION_SO400M_384 = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "patch_size": 14, "image_size": 384,
+}  # fmt: skip
+
+
+def _smol_text(**values: Any) -> dict[str, Any]:
+    return dict(
+        model_type="llama", vocab_size=49280, head_dim=64, rms_norm_eps=1e-5, hidden_act="silu",
+        max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=False, **values,
+    )  # fmt: skip
+
+
+def _smol(class_name: str, text: dict[str, Any], vision: dict[str, Any], scale_factor: int) -> Release:
+    def config() -> Any:
+        import transformers
+
+        architecture = class_name.removesuffix("Config") + "ForConditionalGeneration"
+        return getattr(transformers, class_name)(
+            text_config=text, vision_config=vision, scale_factor=scale_factor, image_token_id=49190,
+            tie_word_embeddings=False, architectures=[architecture],
+        )  # fmt: skip
+
+    return Release(config)
+
+
+SMOL_256M = _smol_text(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                       num_key_value_heads=3)  # fmt: skip
+SMOLVLM_RELEASES = {
+    "SmolVLM2-256M-Video-Instruct": _smol("SmolVLMConfig", SMOL_256M, VISION_BASE_512, 4),
+    "SmolVLM2-500M-Video-Instruct": _smol(
+        "SmolVLMConfig",
+        _smol_text(hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15,
+                   num_key_value_heads=5),
+        VISION_BASE_512,
+        4,
+    ),
+    "SmolVLM2-2.2B-Instruct": _smol(
+        "SmolVLMConfig",
+        dict(
+            _smol_text(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,
+                       num_key_value_heads=32),
+            max_position_embeddings=16384, rope_parameters={"rope_type": "default", "rope_theta": 273768.0},
+        ),
+        VISION_SO400M_384,
+        3,
+    ),
+}  # fmt: skip
+IDEFICS3_RELEASES = {"SmolVLM-256M-Instruct": _smol("Idefics3Config", SMOL_256M, VISION_BASE_512, 4)}
+
+
+# ---- Gemma 3 -----------------------------------------------------------------------------------------
+
+SIGLIP_SO400M = {  # every Gemma 3 VLM's tower (vision_use_head false; the rest SiglipVisionConfig's defaults)
+    "hidden_size": 1152, "image_size": 896, "intermediate_size": 4304, "num_attention_heads": 16,
+    "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False,
+}  # fmt: skip
+GEMMA3_MEDIA_TOKENS = {
+    "mm_tokens_per_image": 256, "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+}  # fmt: skip
+# The text config.json values; the rest are Gemma3TextConfig's defaults, which are the released ones
+# (8 heads / 4 KV heads of 256, query_pre_attn_scalar 256, theta 1e6 and local base 1e4, a full layer
+# in every 6, vocabulary 262,208), written out here where the 12B differs.
+GEMMA3_TEXT = {
+    "gemma-3-4b-it": {
+        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "sliding_window": 1024,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    },
+    "gemma-3-12b-it": {
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "sliding_window": 1024, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    },
+}  # fmt: skip
+GEMMA_3_1B = {  # gemma-3-1b-it's config.json (Gemma3ForCausalLM, text only)
+    "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 512,
+    "sliding_window_pattern": 6, "rope_theta": 1000000, "rope_local_base_freq": 10000, "rope_scaling": None,
+    "vocab_size": 262144, "max_position_embeddings": 32768,
+}  # fmt: skip
+GEMMA3_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("model.vision_tower.", "vision_tower.vision_model."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+
+
+def gemma3_config(name: str) -> Any:
+    from transformers import Gemma3Config
+
+    return Gemma3Config(
+        text_config=GEMMA3_TEXT[name], vision_config=SIGLIP_SO400M,
+        architectures=["Gemma3ForConditionalGeneration"], **GEMMA3_MEDIA_TOKENS,
+    )  # fmt: skip
+
+
+GEMMA3_RELEASES = {name: Release(lambda name=name: gemma3_config(name), GEMMA3_RENAMES) for name in GEMMA3_TEXT}
