@@ -540,6 +540,50 @@ def save_random_model(
     model.save_pretrained(str(out), safe_serialization=True)
 
 
+@dataclass(frozen=True)
+class RandomCheckpoint:
+    """A family's row in the table of random checkpoints: what differs between families (its presets,
+    tokenizer, config, model class, init, generation ids and processor); `write_random_checkpoint` does the
+    rest the same way for all (stage the tokenizer, build on meta, init, save, save the processor)."""
+
+    cache_stem: str  # the cache name: <stem>-<preset>-seed<seed> (bump a version in it when bytes change)
+    presets: dict[str, Any]
+    build_tokenizer: Callable[[Path], Any]
+    token_names: tuple[str, ...]  # the tokens whose ids the config and the generation config name
+    config: Callable[[Any, dict[str, int], Any], Any]  # (preset, token ids, tokenizer) -> HF config
+    model: Callable[[Any, Any], Any]  # (config, torch dtype) -> the HF model (called on the meta device)
+    init: Callable[[Any, Any, int], None]  # (model, preset, seed): every parameter from a seeded generator
+    generation: Callable[[dict[str, int]], dict[str, Any]]  # token ids -> bos / eos / pad of the GenerationConfig
+    processor: Callable[[Any, Any], Any]  # (preset, tokenizer) -> the HF processor to save beside the model
+
+
+def write_random_checkpoint(row: RandomCheckpoint, path: str | Path, preset: str, seed: int = 0) -> Path:
+    """A random-weight checkpoint (HF format) of `row`'s `preset` in `path`; same (preset, seed) -> same bytes."""
+    if preset not in row.presets:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(row.presets)}")
+    spec = row.presets[preset]
+    out, tokenizer, token_ids = start_checkpoint(path, row.build_tokenizer, row.token_names)
+    config = row.config(spec, token_ids, tokenizer)
+    save_random_model(  # the model is freed on return, before the processor is written
+        lambda dtype: row.model(config, dtype),
+        spec["dtype"],
+        lambda model: row.init(model, spec, seed),
+        out,
+        tie=config.tie_word_embeddings,
+        **row.generation(token_ids),
+    )
+    row.processor(spec, tokenizer).save_pretrained(str(out))
+    return out
+
+
+def cached_random_checkpoint(
+    row: RandomCheckpoint, preset: str, seed: int = 0, cache_root: Path | None = None
+) -> Path:
+    return cached_checkpoint(
+        f"{row.cache_stem}-{preset}-seed{seed}", lambda tmp: write_random_checkpoint(row, tmp, preset, seed), cache_root
+    )
+
+
 def write_qwen2_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Write a random-weight Qwen2-VL checkpoint (HF format) into `path` and return it.
 

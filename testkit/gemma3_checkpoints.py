@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from testkit.checkpoints import (
+    RandomCheckpoint,
     _drop_load_time_kwargs,
     _train_bpe_tokenizer,
-    cached_checkpoint,
-    save_random_model,
-    start_checkpoint,
+    cached_random_checkpoint,
+    write_random_checkpoint,
 )
 
 # Gemma's own special tokens, added after the trained BPE vocabulary (and its Qwen-style specials,
@@ -214,41 +214,49 @@ def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) 
                 flat[start : start + count].copy_(block)
 
 
-def write_gemma3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """A random-weight Gemma 3 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    from transformers import Gemma3ForConditionalGeneration, Gemma3ImageProcessor, Gemma3Processor
+def _model(config: Any, dtype: Any) -> Any:
+    from transformers import Gemma3ForConditionalGeneration
 
-    spec = GEMMA3_PRESETS[preset]
-    out, tokenizer, token_ids = start_checkpoint(path, _build_tokenizer, GEMMA3_SPECIAL_TOKENS)
-    config = gemma3_config(spec, token_ids, spec["vocab_size"] or len(tokenizer))
-    save_random_model(  # the model is freed on return, before the processor is written
-        lambda dtype: Gemma3ForConditionalGeneration._from_config(config, dtype=dtype),
-        spec["dtype"],
-        lambda model: _init_deterministically(model, spec["std"], spec["norm_std"], seed),
-        out,
-        tie=config.tie_word_embeddings,
-        bos_token_id=token_ids["<bos>"],
-        eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
-        pad_token_id=token_ids["<pad>"],
-    )
+    return Gemma3ForConditionalGeneration._from_config(config, dtype=dtype)
+
+
+def _processor(spec: Preset, tokenizer: Any) -> Any:
+    from transformers import Gemma3ImageProcessor, Gemma3Processor
+
     side = spec["vision"]["image_size"]
     image_processor = Gemma3ImageProcessor(
         size={"height": side, "width": side}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5]
     )
-    processor = Gemma3Processor(
+    return Gemma3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=GEMMA3_CHAT_TEMPLATE,
         image_seq_length=spec["mm_tokens_per_image"],
     )
-    processor.save_pretrained(str(out))
-    return out
 
 
 # Bumped when this module's output changes (the cache key holds checkpoints.BUILDER_VERSION, not this).
 GEMMA3_BUILDER_VERSION = 2
 
+GEMMA3 = RandomCheckpoint(
+    f"gemma3-b{GEMMA3_BUILDER_VERSION}",
+    GEMMA3_PRESETS,
+    build_tokenizer=_build_tokenizer,
+    token_names=GEMMA3_SPECIAL_TOKENS,
+    config=lambda spec, token_ids, tokenizer: gemma3_config(spec, token_ids, spec["vocab_size"] or len(tokenizer)),
+    model=_model,
+    init=lambda model, spec, seed: _init_deterministically(model, spec["std"], spec["norm_std"], seed),
+    generation=lambda ids: {
+        "bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]], "pad_token_id": ids["<pad>"],
+    },
+    processor=_processor,
+)  # fmt: skip
+
+
+def write_gemma3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random-weight Gemma 3 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
+    return write_random_checkpoint(GEMMA3, path, preset, seed)
+
 
 def cached_gemma3(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    name = f"gemma3-b{GEMMA3_BUILDER_VERSION}-{preset}-seed{seed}"
-    return cached_checkpoint(name, lambda tmp: write_gemma3(tmp, preset, seed), cache_root)
+    return cached_random_checkpoint(GEMMA3, preset, seed, cache_root)

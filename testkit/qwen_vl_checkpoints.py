@@ -22,11 +22,11 @@ from testkit.checkpoints import (
     QWEN2_VL_CHAT_TEMPLATE,
     QWEN2_VL_SPECIAL_TOKENS,
     QWEN2_VL_VOCAB_SIZE,
+    RandomCheckpoint,
     _build_qwen2_vl_tokenizer,
     _init_weights_deterministically,
-    cached_checkpoint,
-    save_random_model,
-    start_checkpoint,
+    cached_random_checkpoint,
+    write_random_checkpoint,
 )
 
 # A preset: text / vision config values, the processor's pixel budget, init std and the save dtype.
@@ -117,11 +117,6 @@ def _text_config(values: dict[str, Any], token_ids: dict[str, int], rope_theta: 
     }
 
 
-def _start_checkpoint(path: str | Path) -> tuple[Path, Any, dict[str, int]]:
-    """The output directory, the locally trained tokenizer and its special token ids."""
-    return start_checkpoint(path, _build_qwen2_vl_tokenizer, QWEN2_VL_SPECIAL_TOKENS)
-
-
 def _media_token_ids(token_ids: dict[str, int]) -> dict[str, int]:
     return {
         "image_token_id": token_ids["<|image_pad|>"],
@@ -179,81 +174,84 @@ def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
     )
 
 
-def _save_model(model_class: Any, config: Any, preset: Preset, seed: int, token_ids: dict[str, int], out: Path) -> None:
-    """Build on the meta device, materialize, overwrite every parameter from one seeded generator (our
-    own init: bytes independent of Transformers' init order), save in the preset's dtype."""
-    save_random_model(
-        lambda dtype: model_class._from_config(config, dtype=dtype),
-        preset["dtype"],
-        lambda model: _init_weights_deterministically(model, preset["std"], seed),
-        out,
-        tie=config.tie_word_embeddings,
-        bos_token_id=token_ids["<|endoftext|>"],
-        eos_token_id=token_ids["<|im_end|>"],
-        pad_token_id=token_ids["<|endoftext|>"],
-    )
-
-
 def _size(pixels: tuple[int, int]) -> dict[str, int]:
     return {"shortest_edge": pixels[0], "longest_edge": pixels[1]}
 
 
-def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """A random-weight Qwen2.5-VL checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    from transformers import (
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2_5_VLProcessor,
-        Qwen2VLImageProcessor,
-        Qwen2VLVideoProcessor,
-    )
+def _generation(token_ids: dict[str, int]) -> dict[str, int]:
+    return {
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+    }
 
-    spec = QWEN2_5_VL_PRESETS[preset]
-    out, tokenizer, token_ids = _start_checkpoint(path)
-    _save_model(Qwen2_5_VLForConditionalGeneration, qwen2_5_vl_config(spec, token_ids), spec, seed, token_ids, out)
+
+def _init(model: Any, preset: Preset, seed: int) -> None:
+    _init_weights_deterministically(model, preset["std"], seed)
+
+
+def _qwen2_5_vl_model(config: Any, dtype: Any) -> Any:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+
+
+def _qwen2_5_vl_processor(spec: Preset, tokenizer: Any) -> Any:
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
     patches = {"patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
-    processor = Qwen2_5_VLProcessor(
+    return Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches),
         video_processor=Qwen2VLVideoProcessor(size=_size(spec["pixels"]), **patches),
         tokenizer=tokenizer,
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
-    processor.save_pretrained(str(out))
-    return out
 
 
-def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """A random-weight Qwen3-VL (or, preset "tiny-moe", Qwen3-VL-MoE) checkpoint in `path`."""
-    from transformers import (
-        Qwen2VLImageProcessor,
-        Qwen3VLForConditionalGeneration,
-        Qwen3VLMoeForConditionalGeneration,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+def _qwen3_vl_model(config: Any, dtype: Any) -> Any:
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
-    spec = QWEN3_VL_PRESETS[preset]
-    out, tokenizer, token_ids = _start_checkpoint(path)
-    config = qwen3_vl_config(spec, token_ids)
-    moe = "num_experts" in spec["text"]
-    model_class = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
-    _save_model(model_class, config, spec, seed, token_ids, out)
+    moe = config.architectures == ["Qwen3VLMoeForConditionalGeneration"]
+    return (Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration)._from_config(config, dtype=dtype)
+
+
+def _qwen3_vl_processor(spec: Preset, tokenizer: Any) -> Any:
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
     patches = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2}
     mean_std = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's processor config
-    processor = Qwen3VLProcessor(
+    return Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
         video_processor=Qwen3VLVideoProcessor(size=_size(spec["pixels"]), **patches, **mean_std),
         tokenizer=tokenizer,
         chat_template=QWEN2_VL_CHAT_TEMPLATE,
     )
-    processor.save_pretrained(str(out))
-    return out
+
+
+_SHARED = {"build_tokenizer": _build_qwen2_vl_tokenizer, "token_names": QWEN2_VL_SPECIAL_TOKENS, "init": _init,
+           "generation": _generation}  # fmt: skip
+QWEN2_5_VL = RandomCheckpoint(
+    "qwen2.5-vl", QWEN2_5_VL_PRESETS, config=lambda spec, ids, _: qwen2_5_vl_config(spec, ids),
+    model=_qwen2_5_vl_model, processor=_qwen2_5_vl_processor, **_SHARED,
+)  # fmt: skip
+QWEN3_VL = RandomCheckpoint(
+    "qwen3-vl", QWEN3_VL_PRESETS, config=lambda spec, ids, _: qwen3_vl_config(spec, ids),
+    model=_qwen3_vl_model, processor=_qwen3_vl_processor, **_SHARED,
+)  # fmt: skip
+
+
+def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    return write_random_checkpoint(QWEN2_5_VL, path, preset, seed)
+
+
+def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Qwen3-VL, or with preset "tiny-moe" Qwen3-VL-MoE."""
+    return write_random_checkpoint(QWEN3_VL, path, preset, seed)
 
 
 def cached_qwen2_5_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_checkpoint(
-        f"qwen2.5-vl-{preset}-seed{seed}", lambda tmp: write_qwen2_5_vl(tmp, preset, seed), cache_root
-    )
+    return cached_random_checkpoint(QWEN2_5_VL, preset, seed, cache_root)
 
 
 def cached_qwen3_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_checkpoint(f"qwen3-vl-{preset}-seed{seed}", lambda tmp: write_qwen3_vl(tmp, preset, seed), cache_root)
+    return cached_random_checkpoint(QWEN3_VL, preset, seed, cache_root)

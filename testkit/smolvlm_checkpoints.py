@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from testkit.checkpoints import (
+    RandomCheckpoint,
     _drop_load_time_kwargs,
     _init_weights_deterministically,
     _train_bpe_tokenizer,
-    cached_checkpoint,
-    save_random_model,
-    start_checkpoint,
+    cached_random_checkpoint,
+    write_random_checkpoint,
 )
 
 # SmolVLM's added tokens, appended after the trained tokenizer's own specials (which include
@@ -183,29 +183,6 @@ def image_seq_len(preset: Preset) -> int:
     return side * side // preset["scale_factor"] ** 2
 
 
-def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    """A random-weight SmolVLM2 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    from transformers import AutoModelForImageTextToText
-
-    spec = SMOLVLM_PRESETS[preset]
-    names = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *SMOLVLM_SPECIAL_TOKENS)
-    out, tokenizer, token_ids = start_checkpoint(path, _build_tokenizer, names)
-    config = smolvlm_config(spec, token_ids, len(tokenizer))
-    save_random_model(
-        lambda dtype: AutoModelForImageTextToText.from_config(config, dtype=dtype),
-        spec["dtype"],
-        lambda model: _init_weights_deterministically(model, spec["std"], seed),
-        out,
-        tie=False,
-        bos_token_id=token_ids["<|im_start|>"],
-        eos_token_id=token_ids["<end_of_utterance>"],
-        pad_token_id=token_ids["<|im_end|>"],
-    )
-
-    _processor(spec, tokenizer).save_pretrained(str(out))
-    return out
-
-
 def _processor(spec: Preset, tokenizer: Any) -> Any:
     """SmolVLM's processor (tiles + global image, video frames), or Idefics3's (images only)."""
     from transformers import (
@@ -225,10 +202,34 @@ def _processor(spec: Preset, tokenizer: Any) -> Any:
     return SmolVLMProcessor(image_processor=SmolVLMImageProcessor(**images), video_processor=video, **common)
 
 
+def _model(config: Any, dtype: Any) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_config(config, dtype=dtype)
+
+
 # Bumped when this module's output changes (the cache key holds checkpoints.BUILDER_VERSION, not this).
 SMOLVLM_BUILDER_VERSION = 3
 
+SMOLVLM = RandomCheckpoint(
+    f"smolvlm2-b{SMOLVLM_BUILDER_VERSION}",
+    SMOLVLM_PRESETS,
+    build_tokenizer=_build_tokenizer,
+    token_names=("<|endoftext|>", "<|im_start|>", "<|im_end|>", *SMOLVLM_SPECIAL_TOKENS),
+    config=lambda spec, token_ids, tokenizer: smolvlm_config(spec, token_ids, len(tokenizer)),
+    model=_model,
+    init=lambda model, spec, seed: _init_weights_deterministically(model, spec["std"], seed),
+    generation=lambda ids: {
+        "bos_token_id": ids["<|im_start|>"], "eos_token_id": ids["<end_of_utterance>"], "pad_token_id": ids["<|im_end|>"],
+    },
+    processor=lambda spec, tokenizer: _processor(spec, tokenizer),
+)  # fmt: skip
+
+
+def write_smolvlm(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """A random-weight SmolVLM2 checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
+    return write_random_checkpoint(SMOLVLM, path, preset, seed)
+
 
 def cached_smolvlm(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    name = f"smolvlm2-b{SMOLVLM_BUILDER_VERSION}-{preset}-seed{seed}"
-    return cached_checkpoint(name, lambda tmp: write_smolvlm(tmp, preset, seed), cache_root)
+    return cached_random_checkpoint(SMOLVLM, preset, seed, cache_root)
