@@ -110,6 +110,7 @@ class RequestRecord:
     scheduled_s: float = 0.0  # intended send time, relative to the run's start
     start_s: float = 0.0  # actual send time
     first_token_s: float | None = None
+    first_chunk_s: float | None = None  # first chunk with a delta, text or not (llama-server: prompt done)
     end_s: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     output_tokens: int = 0
@@ -118,7 +119,9 @@ class RequestRecord:
     usage_reported: bool = False
     status: int = 0
     error: str | None = None
-    text_chars: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    server_timings: dict[str, Any] | None = None  # llama-server's own: prompt_ms (image included), predicted_ms
 
     @property
     def ok(self) -> bool:
@@ -159,9 +162,15 @@ class RequestRecord:
             return gaps.tolist()
         return np.repeat(gaps / per_chunk, round(per_chunk)).tolist()
 
+    @property
+    def first_chunk(self) -> float | None:
+        """Send -> first chunk of any kind: ours sends it with the first token, llama-server when the
+        prompt (image included) is processed, and its json_schema grammar may hold back the first text."""
+        return None if self.first_chunk_s is None or not self.ok else self.first_chunk_s - self.start_s
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, decode_itl=self.decode_itl)
+        d.update(ttft=self.ttft, e2e=self.e2e, tpot=self.tpot, decode_itl=self.decode_itl, first_chunk=self.first_chunk)
         return d
 
 
@@ -209,22 +218,29 @@ async def _stream(
                 continue
             if event.done:
                 break
-            _apply_chunk(record, event.data or {}, time.perf_counter() - t0)
+            apply_chunk(record, event.data or {}, time.perf_counter() - t0)
             if record.error is not None:
                 return
 
 
-def _apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None:
+def apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> None:
     if "error" in chunk:
         err = chunk["error"]
         record.error = f"stream error: {err.get('message') if isinstance(err, dict) else err}"[:300]
         return
+    choices = chunk.get("choices") or []
+    if choices and record.first_chunk_s is None:
+        record.first_chunk_s = now
+    for choice in choices:
+        record.finish_reason = choice.get("finish_reason") or record.finish_reason
+    if isinstance(chunk.get("timings"), dict):
+        record.server_timings = chunk["timings"]
     text = chunk_content(chunk)
     if text:
         if record.first_token_s is None:
             record.first_token_s = now
         record.chunk_times.append(now)
-        record.text_chars += len(text)
+        record.text += text
     usage = chunk.get("usage")
     if usage:
         # With continuous usage stats every chunk carries usage; the last one is the total.

@@ -105,7 +105,7 @@ def bare_forward_ms(engine: Engine, context: int, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=lambda t: [int(b) for b in t.split(",")], default=[32], help="comma list")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--hf-prompts", type=int, default=4)
@@ -122,12 +122,12 @@ def main() -> None:
         "attention": engine.runner.attn_backend.name,
         "output_tokens_per_request": args.tokens,
         "engine_batch1_tok_s": engine_tok_s(engine, 1, args.tokens, rounds=2),
-        f"engine_batch{args.batch}_tok_s": engine_tok_s(engine, args.batch, args.tokens),
+        **{f"engine_batch{b}_tok_s": engine_tok_s(engine, b, args.tokens) for b in args.batch},
         "engine_batch1_decode_ms_per_step": engine_decode_ms(engine, args.tokens),
         "bare_forward_batch1_ms_per_step": bare_forward_ms(engine, prompt_len, args.tokens),
     }
     results["hf_generate_sequential_tok_s"] = hf_sequential_tok_s(args.hf_prompts, args.tokens)
-    results[f"batch{args.batch}_vs_hf_sequential"] = results[f"engine_batch{args.batch}_tok_s"] / results["hf_generate_sequential_tok_s"]
+    results[f"batch{args.batch[0]}_vs_hf_sequential"] = results[f"engine_batch{args.batch[0]}_tok_s"] / results["hf_generate_sequential_tok_s"]
     results["engine_vs_bare_decode_step"] = (
         results["engine_batch1_decode_ms_per_step"] / results["bare_forward_batch1_ms_per_step"]
     )

@@ -21,6 +21,8 @@ Prompts are random token ids (no special tokens); outputs ignore EOS.
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import gc
 import json
@@ -28,6 +30,9 @@ import random
 import time
 from pathlib import Path
 from typing import Any
+
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # the repository root: testkit
 
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.kernels.cpu_isa import tier_description

@@ -47,12 +47,13 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Sibling modules and the repository root (testkit) when run by path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import client as C
 import roofline as R
 import serve_bench as SB
-import servers
+import peers
 import stats as S
 import workloads as W
 
@@ -79,14 +80,7 @@ def write_guidellm_data(requests: list[W.BenchRequest], path: Path) -> None:
             f.write(json.dumps({"prompt": message["content"], "output_tokens_count": r.output_tokens}) + "\n")
 
 
-def lower_quantile(values: list[float], weights: list[float], q: float) -> float:
-    """guidellm's percentile: the first sorted value whose cumulative weight share reaches q."""
-    if not values:
-        return math.nan
-    order = np.argsort(values)
-    v, w = np.asarray(values)[order], np.asarray(weights, dtype=np.float64)[order]
-    cdf = np.cumsum(w) / w.sum()
-    return float(v[min(int(np.searchsorted(cdf, q, side="left")), len(v) - 1)])
+lower_quantile = S.lower_quantile  # guidellm's percentile
 
 
 def server_counters(base_url: str) -> dict[str, float]:
@@ -370,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument(
         "--output-tokens",
-        type=SB._range,
+        type=lambda t: (int(t.partition(":")[0]), int(t.partition(":")[2] or t.partition(":")[0])),
         default=(32, 96),
         help="N or MIN:MAX, drawn per request (default 32:96; see the docstring for why not one fixed N)",
     )
@@ -407,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = R.resolve_model_dir(args.model_dir)
     out = args.out or BENCH / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-guidellm"
     out.mkdir(parents=True, exist_ok=True)
-    servers.install_signal_handlers()
+    peers.install_signal_handlers()
 
     def measure(base_url: str) -> dict[str, Any]:
         model = args.model or C.served_model_id(base_url) or model_dir
@@ -440,12 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         runs = measure(args.base_url)
     else:
         extra = () if args.keep_prefix_cache else ("--no-prefix-cache",)
-        spec = servers.ServerSpec("ours", model_dir, args.dtype, extra)
+        spec = peers.ServerSpec("ours", model_dir, args.dtype, extra)
         server_cpus, client_cpus = split_cpus(args.shared_cores)
         # Children inherit the CPU mask at start: the server gets its half, then this process
         # (our client) and guidellm (started from it) move to the other half.
         os.sched_setaffinity(0, server_cpus)
-        with servers.ManagedServer(spec, out / "logs") as server:
+        with peers.ManagedServer(spec, out / "logs") as server:
             os.sched_setaffinity(0, client_cpus)
             print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
             runs = measure(server.base_url)

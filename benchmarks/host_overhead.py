@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Sibling modules and the repository root (testkit) when run by path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import roofline as R
 

@@ -10,11 +10,16 @@ Prints ms per step and the effective GB/s of weight bytes (codes + scales) per r
 
 from __future__ import annotations
 
+import sys
+
 import argparse
 import time
 from pathlib import Path
 
 import torch
+
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # the repository root: testkit
 
 from vlm_engine.kernels.cpu_isa import tier_description
 

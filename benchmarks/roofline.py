@@ -36,6 +36,9 @@ if os.environ.get("VLM_ENGINE_ISA") == "avx2":
     for _name, _value in AVX2_CAPS.items():
         os.environ.setdefault(_name, _value)
 
+# Sibling modules and the repository root (testkit) when run by path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # One cache file per CPU tier, so alternating native and VLM_ENGINE_ISA=avx2 runs keep both.
 MACHINE_CACHE = RESULTS / "machine-{tier}.json"
@@ -442,15 +445,10 @@ def engine_decode_step(
 
 
 def resolve_model_dir(name: str) -> str:
-    """`smollm2` / `qwen2-vl-bench` / `qwen2-vl-tiny` -> the cached checkpoint directory; else as is."""
-    from testkit.checkpoints import cached_qwen2_vl, cached_smollm2
+    """A models.MODELS alias -> the cached checkpoint directory; else as is."""
+    import models
 
-    aliases = {
-        "smollm2": cached_smollm2,
-        "qwen2-vl-bench": lambda: cached_qwen2_vl("bench"),
-        "qwen2-vl-tiny": lambda: cached_qwen2_vl("tiny"),
-    }
-    return str(aliases[name]()) if name in aliases else name
+    return str(models.model_dir(name))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run by path
+# Sibling modules and the repository root (testkit) when run by path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import client as C
 import roofline as R
@@ -341,7 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--start",
         default=None,
-        choices=("ours", "transformers", "vllm", "sglang"),
+        choices=("ours", "transformers", "vllm", "sglang"),  # peers.ADAPTERS that need no GGUF
         help="start this server on --model-dir (free port, stopped afterwards) instead of using --base-url",
     )
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for --start's server (repeatable)")
@@ -402,13 +403,15 @@ def run_cli(args: argparse.Namespace) -> int:
             raise SystemExit(f"serve_bench: {exc}") from None
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-serve"
     if args.start:
-        import servers
+        import models
+        import peers
 
         if args.model_dir is None:
             raise SystemExit("--start needs --model-dir")
-        servers.install_signal_handlers()
-        spec = servers.ServerSpec(args.start, args.model_dir, args.dtype or "auto", tuple(args.server_arg))
-        with servers.ManagedServer(spec, out / "logs") as server:
+        cfg.model_dir = args.model_dir = str(models.model_dir(args.model_dir))
+        peers.install_signal_handlers()
+        spec = peers.ServerSpec(args.start, args.model_dir, args.dtype or "auto", tuple(args.server_arg))
+        with peers.ManagedServer(spec, out / "logs") as server:
             print(f"started {spec.name} at {server.base_url} in {server.startup_s:.0f} s (log {server.log_path})")
             cfg.base_url = server.base_url
             cfg.model = cfg.model or args.model_dir

@@ -34,7 +34,11 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
-from client import sse_lines  # a sibling in benchmarks/
+
+# Sibling modules and the repository root (testkit) when run by path.
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from client import sse_lines
 
 from vlm_engine.metrics.scrape import parse_metrics
 

@@ -1,9 +1,12 @@
-"""Summary statistics of one load point: latency percentiles, throughput, cache share, errors."""
+"""The one statistics module: a load point's summary (latency percentiles, throughput, cache share,
+errors), medians over repetitions, paired A/B ratios, in-process interleaved timing, markdown tables."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -57,6 +60,11 @@ class Summary:
     itl: Dist
     tpot: Dist
     e2e: Dist
+    first_chunk: Dist
+    # Decode tokens/s: at most one request in flight, the mean over requests of 1 / TPOT; otherwise all
+    # tokens after the first over the union of the requests' decode intervals (wall time some request decoded).
+    decode_tok_s: float
+    tokens_per_chunk: float
     errors: list[str]  # up to 5 distinct messages
     output_len_exact: bool  # every ok request produced exactly the requested tokens
 
@@ -88,6 +96,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
         itl=Dist.of(itls),
         tpot=Dist.of([r.tpot for r in ok]),
         e2e=Dist.of([r.e2e for r in ok]),
+        first_chunk=Dist.of([r.first_chunk for r in ok]),
+        decode_tok_s=decode_rate(ok),
+        tokens_per_chunk=out_tokens / max(1, sum(len(r.chunk_times) for r in ok)),
         errors=[e for e in errors if e],
         output_len_exact=bool(ok) and all(r.output_tokens == r.requested_output_tokens for r in ok),
     )
@@ -106,3 +117,92 @@ def one_line(label: str, s: Summary) -> str:
         f"ITL p50/p95 {fmt_ms(s.itl.p50)}/{fmt_ms(s.itl.p95)} ms  TPOT p50 {fmt_ms(s.tpot.p50)} ms  "
         f"e2e p50 {fmt_ms(s.e2e.p50)} ms  cached {share}"
     )
+
+
+def union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def decode_rate(ok: Sequence[RequestRecord]) -> float:
+    dec = [r for r in ok if r.tpot and r.first_token_s is not None]
+    if not dec:
+        return float("nan")
+    spans = [(r.first_token_s or 0.0, r.end_s) for r in dec]
+    if all(b <= c for (_, b), (c, _) in zip(sorted(spans), sorted(spans)[1:])):  # one at a time
+        return statistics.fmean(1.0 / (r.tpot or math.inf) for r in dec)
+    return sum(r.output_tokens - 1 for r in dec) / union_length(spans)
+
+
+# ---- over repetitions and variants ----------------------------------------------------------------------
+
+
+def median(values: Sequence[float | None]) -> float:
+    v = [x for x in values if x is not None and math.isfinite(x)]
+    return statistics.median(v) if v else float("nan")
+
+
+def median_tree(items: Sequence[Any]) -> Any:
+    """Element-wise median of equally shaped JSON trees (numbers; lists and strings from the first)."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: median_tree([it[k] for it in items if isinstance(it, dict) and k in it]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return median([x for x in items if isinstance(x, (int, float))])
+    return first
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else float("nan")
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median of the round-by-round ratios a[i] / b[i]: adjacent runs share the machine's drift."""
+    return median([ratio(x, y) for x, y in zip(a, b)])
+
+
+def lower_quantile(values: Sequence[float], weights: Sequence[float], q: float) -> float:
+    """The first value (sorted) whose cumulative weight reaches q of the total: guidellm's medians."""
+    pairs = sorted(zip(values, weights))
+    total = sum(w for _, w in pairs)
+    acc = 0.0
+    for v, w in pairs:
+        acc += w
+        if acc >= q * total:
+            return v
+    return float("nan")
+
+
+def interleaved(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+    """In-process A/B: each variant once per round, taking turns (order reversed every other round), so
+    the machine's drift hits all alike. Returns each variant's seconds per round (warm-ups not kept)."""
+    names = list(variants)
+    for _ in range(warmup):
+        for name in names:
+            variants[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+# ---- formatting ----------------------------------------------------------------------------------------------
+
+
+def fmt(x: float | None, digits: int = 2, scale: float = 1.0) -> str:
+    return "—" if x is None or not math.isfinite(x) else f"{x * scale:,.{digits}f}"
+
+
+def fmt_ratio(x: float) -> str:
+    return "—" if not math.isfinite(x) else f"**{x:.2f}x**"
+
+
+def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in rows]

@@ -15,11 +15,18 @@ Rows: ours (plain nn.Linear), ours with the engine's prepacked linears (`prepack
 
 from __future__ import annotations
 
+import sys
+
+from pathlib import Path
+
 import argparse
 import gc
 import statistics
 import time
 from collections.abc import Callable
+
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1])]  # the repository root: testkit
 
 import numpy as np
 import torch

@@ -1,14 +1,20 @@
-"""The three workloads that shape the engine (DESIGN.md, "Workloads that shape the policy"), as
-deterministic OpenAI chat-completion payloads.
+"""The one workload set: every request any benchmark sends, as deterministic OpenAI chat payloads.
 
-- chatbot:  a long shared system prompt (default 2,000 tokens), usually the same image, a short
-            question, short outputs (32..200 tokens); latency-sensitive.
-- agent:    a long shared prefix (tool docs + history, default 3,000 tokens), a short task, long
-            outputs (default 512 tokens); latency-tolerant.
-- data:     every request a different image (or short video), a fixed extraction instruction,
-            short structured JSON output (default 32 tokens); throughput-bound.
+- chatbot:    a long shared system prompt (default 2,000 tokens), usually the same image, a short question,
+              32..200 output tokens; latency-sensitive.
+- agent:      a long shared prefix (tool docs + history, default 3,000 tokens), a short task, 512 output
+              tokens; latency-tolerant.
+- data:       a different image (or short video) per request, a fixed "answer in JSON" instruction, 32
+              output tokens; throughput-bound.
+- textchat:   plain streaming chat, 64 output tokens: decode speed at a given concurrency.
+- placard:    apps/placard's data processor: a fresh photo-like 640x480 JPEG, the curator prompt and its
+              `response_format` json_schema, at most 64 tokens (the grammar may end it sooner).
+- imagechat:  a fresh photo-like 640x480 JPEG and one of four questions, 64 tokens.
+- extraction: a synthetic document and an instruction whose answer copies spans of it (what speculative
+              decoding's prompt lookup feeds on); 128 tokens at most, EOS allowed.
+- chat:       open-ended prompts whose answers do not repeat the prompt; 128 tokens at most, EOS allowed.
 
-Everything is a pure function of (workload spec, request index, seed), so two servers get
+Everything is a pure function of (workload spec, request index, seed), so every server under test gets
 byte-identical requests. Nothing here talks to a server.
 """
 
@@ -16,12 +22,12 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import math
 import random
 from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Protocol
-
-WORKLOAD_NAMES = ("chatbot", "agent", "data", "textchat")
 
 # Server flavours differ in which non-standard fields they accept (PEERS.md: `transformers serve`
 # answers 422 to unknown fields such as `ignore_eos`).
@@ -38,13 +44,15 @@ class Tokenizer(Protocol):
 class WorkloadSpec:
     name: str
     shared_prefix_tokens: int  # system prompt shared by every request (prefix-cache food)
-    user_tokens: int  # per-request text after the shared prefix
+    user_tokens: int  # per-request text after the shared prefix (the synthetic-text workloads)
     output_tokens: tuple[int, int]  # inclusive range; each request draws its length from its seed
     image: str  # "none" | "shared" (same image with probability shared_image_prob) | "unique"
     shared_image_prob: float = 0.0
     image_size: tuple[int, int] = (320, 240)
     video_frames: int = 0  # > 0: data processor sends a short clip instead of an image
     json_output: bool = False
+    photo: bool = False  # photo-like pictures (gradients, blur, sensor noise) instead of flat shapes
+    pin_length: bool = True  # send the flavour's length-pinning fields (ignore_eos / min_new_tokens)
 
     @property
     def uses_media(self) -> bool:
@@ -55,9 +63,13 @@ DEFAULT_SPECS: dict[str, WorkloadSpec] = {
     "chatbot": WorkloadSpec("chatbot", 2000, 32, (32, 200), "shared", shared_image_prob=0.8),
     "agent": WorkloadSpec("agent", 3000, 64, (512, 512), "none"),
     "data": WorkloadSpec("data", 0, 48, (32, 32), "unique", json_output=True),
-    # Plain streaming chat, fixed 64 output tokens: decode speed at a given concurrency.
     "textchat": WorkloadSpec("textchat", 0, 32, (64, 64), "none"),
+    "placard": WorkloadSpec("placard", 0, 0, (64, 64), "unique", image_size=(640, 480), photo=True, pin_length=False),
+    "imagechat": WorkloadSpec("imagechat", 0, 0, (64, 64), "unique", image_size=(640, 480), photo=True),
+    "extraction": WorkloadSpec("extraction", 0, 0, (128, 128), "none", pin_length=False),
+    "chat": WorkloadSpec("chat", 0, 0, (128, 128), "none", pin_length=False),
 }
+WORKLOAD_NAMES = tuple(DEFAULT_SPECS)
 
 
 def workload_spec(name: str, **overrides: Any) -> WorkloadSpec:
@@ -161,22 +173,203 @@ def video_mp4(seed: int, frames: int, width: int = 320, height: int = 240, fps: 
     return buf.getvalue()
 
 
+@lru_cache(maxsize=32)
+def photo_jpeg(seed: int, width: int = 640, height: int = 480) -> bytes:
+    """A photo-like picture as JPEG bytes (quality 85): a sky-to-ground gradient, low-frequency light,
+    blurred shapes and per-pixel sensor noise, so it compresses like a photo (~60-100 KB at 640x480) and
+    not like flat synthetic art. Different seed, different picture; same seed, same bytes."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFilter
+
+    rng = np.random.default_rng(seed)
+    y = np.linspace(0.0, 1.0, height)[:, None, None]
+    x = np.linspace(0.0, 1.0, width)[None, :, None]
+    top, bottom = rng.uniform(60, 230, 3), rng.uniform(20, 200, 3)
+    horizon = rng.uniform(0.3, 0.7)
+    sky = top + (bottom - top) * np.clip(y / horizon, 0, 1) * 0.5
+    ground = bottom * (0.6 + 0.4 * (y - horizon) / (1 - horizon))
+    img = np.where(y < horizon, sky, ground) + np.zeros((height, width, 3))
+    for _ in range(6):  # soft light and shade
+        fx, fy, phase = rng.uniform(0.5, 4.0), rng.uniform(0.5, 4.0), rng.uniform(0, 2 * np.pi)
+        img += rng.uniform(5, 20) * np.sin(2 * np.pi * (fx * x + fy * y) + phase) * rng.uniform(0.5, 1.0, 3)
+    pic = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8), "RGB")
+    shapes = Image.new("RGBA", (width, height), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(shapes)
+    for _ in range(int(rng.integers(5, 10))):
+        cx, cy = rng.uniform(0, width), rng.uniform(height * 0.2, height)
+        w, h = rng.uniform(20, width / 3), rng.uniform(20, height / 3)
+        color = (*(int(c) for c in rng.integers(0, 256, 3)), int(rng.integers(160, 256)))
+        box = (cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2)
+        if rng.random() < 0.5:
+            draw.ellipse(box, fill=color)
+        else:
+            pts = [(cx + w / 2 * math.cos(a), cy + h / 2 * math.sin(a)) for a in np.sort(rng.uniform(0, 6.3, 5))]
+            draw.polygon(pts, fill=color)
+    shapes = shapes.filter(ImageFilter.GaussianBlur(float(rng.uniform(1.0, 3.0))))
+    pic.paste(shapes, (0, 0), shapes)
+    arr = np.asarray(pic).astype(np.float64) + rng.normal(0.0, 5.0, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "RGB").save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
 def data_uri(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
+# ---- apps/placard and imagechat --------------------------------------------------------------------
+
+# apps/placard/static/placard.js: PLACARD_SCHEMA and PROMPT, as the page sends them.
+PLACARD_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "date_or_period": {"type": "string", "maxLength": 40},
+        "medium": {"type": "string", "maxLength": 40},
+        "description": {"type": "string", "maxLength": 240},
+    },
+    "required": ["title", "date_or_period", "medium", "description"],
+    "additionalProperties": False,
+}
+PLACARD_PROMPT = (
+    "You are a museum curator. Write the placard for this picture as JSON: a title of a few words "
+    "naming what it shows, a date or period, the medium, and a description of two sentences saying "
+    "what the picture shows."
+)
+QUESTIONS = (
+    "What is in this photo? Describe the scene in detail.",
+    "Which objects can you see in this picture, and where are they?",
+    "Describe the colors and the lighting of this photo.",
+    "What is the main subject of this picture, and what is around it?",
+)
+PLACARD_RESPONSE_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "placard", "strict": True, "schema": PLACARD_SCHEMA},
+}
+
+
+# ---- synthetic documents and prompts (extraction, chat) ------------------------------------------------
+
+FIRST = ["Maria", "James", "Aiko", "Olusegun", "Priya", "Lars", "Sofia", "Mateo", "Hannah", "Wei", "Fatima", "Noah",
+         "Ingrid", "Rafael", "Chloe", "Dmitri", "Amara", "Kenji", "Elena", "Tomasz"]  # fmt: skip
+LAST = ["Kowalski", "Okafor", "Tanaka", "Lindqvist", "Moreau", "Haddad", "Fernandez", "Novak", "Schmidt", "Chen",
+        "Patel", "Brennan", "Castillo", "Yamamoto", "Ivanova", "Mensah", "Larsen", "Duarte"]  # fmt: skip
+STREETS = ["Birchwood Lane", "Harbor Street", "Maple Avenue", "Old Mill Road", "Quarry Drive", "Sunset Boulevard",
+           "Elm Court", "Riverside Way", "Juniper Place", "Kings Road"]  # fmt: skip
+CITIES = [("Springfield", "IL", "62704"), ("Portland", "OR", "97205"), ("Austin", "TX", "78701"),
+          ("Madison", "WI", "53703"), ("Savannah", "GA", "31401"), ("Boulder", "CO", "80302"),
+          ("Burlington", "VT", "05401"), ("Tucson", "AZ", "85701")]  # fmt: skip
+ITEMS = [("Wireless keyboard", 49.99), ("USB-C hub", 34.50), ("27-inch monitor", 229.00), ("Desk lamp", 18.75),
+         ("Ergonomic chair", 310.00), ("Laptop stand", 42.10), ("Noise-cancelling headset", 129.95),
+         ("Webcam 1080p", 59.00), ("Cable organizer", 9.99), ("External SSD 1TB", 89.49)]  # fmt: skip
+CARRIERS = ["FedEx", "UPS", "DHL Express", "USPS Priority", "Canada Post"]
+DOMAINS = ["example.com", "mail.example.org", "corp.example.net"]
+STATUSES = ["In transit", "Out for delivery", "Held at depot", "Delivered"]
+PLANS = ["Basic", "Plus", "Business", "Enterprise"]
+
+
+def _code(rng: random.Random, letters: int, digits: int) -> str:
+    return (
+        "".join(rng.choices("ABCDEFGHJKLMNPQRSTUVWXYZ", k=letters)) + "-" + "".join(rng.choices("0123456789", k=digits))
+    )
+
+
+def _person(rng: random.Random) -> dict[str, str]:
+    first, last = rng.choice(FIRST), rng.choice(LAST)
+    city, state, zip_code = rng.choice(CITIES)
+    return {
+        "name": f"{first} {last}",
+        "address": f"{rng.randint(10, 9999)} {rng.choice(STREETS)}, {city}, {state} {zip_code}",
+        "email": f"{first.lower()}.{last.lower()}@{rng.choice(DOMAINS)}",
+        "phone": f"+1-{rng.randint(200, 989)}-{rng.randint(200, 989)}-{rng.randint(1000, 9999)}",
+    }
+
+
+def _date(rng: random.Random) -> str:
+    return f"2026-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+
+
+def document(index: int, seed: int = 0) -> tuple[str, list[tuple[str, str]], str]:
+    """(kind, fields in order, a word that a few lines mention) of a deterministic synthetic document."""
+    rng = random.Random(f"doc-{seed}-{index}")
+    kind = rng.choice(("invoice", "customer record", "shipping notice"))
+    p = _person(rng)
+    if kind == "invoice":
+        fields = [("Invoice", _code(rng, 3, 5)), ("Date", _date(rng)), ("Bill to", p["name"]),
+                  ("Address", p["address"]), ("Email", p["email"])]  # fmt: skip
+        total = 0.0
+        for name, price in rng.sample(ITEMS, rng.randint(2, 3)):
+            qty = rng.randint(1, 4)
+            total += qty * price
+            fields.append(("Item", f"{name} x{qty} @ {price:.2f}"))
+        fields += [("Total", f"{total:.2f} USD"), ("Payment code", _code(rng, 2, 4))]
+        return kind, fields, "Item"
+    if kind == "customer record":
+        fields = [("Customer ID", _code(rng, 2, 6)), ("Name", p["name"]), ("Email", p["email"]),
+                  ("Phone", p["phone"]), ("Address", p["address"]), ("Plan", rng.choice(PLANS)),
+                  ("Since", _date(rng)), ("Account manager", _person(rng)["name"]),
+                  ("Balance", f"{rng.randint(0, 4000)}.{rng.randint(0, 99):02d} USD")]  # fmt: skip
+        return kind, fields, "Name"
+    sender = _person(rng)
+    fields = [("Tracking", _code(rng, 4, 8)), ("Carrier", rng.choice(CARRIERS)), ("Shipped", _date(rng)),
+              ("From", sender["name"]), ("From address", sender["address"]), ("To", p["name"]),
+              ("To address", p["address"]), ("Weight", f"{rng.randint(1, 40)}.{rng.randint(0, 9)} kg"),
+              ("Status", rng.choice(STATUSES))]  # fmt: skip
+    return kind, fields, "address"
+
+
+def extraction_prompt(index: int, seed: int = 0) -> tuple[str, str]:
+    """(prompt, the document's text): three instructions whose answers copy spans of the document."""
+    kind, fields, mention = document(index, seed)
+    lines = "\n".join(f"{k}: {v}" for k, v in fields)
+    task = index % 3
+    # SmolLM2-135M refuses ~half of "Copy the following customer record/invoice exactly" (it answers
+    # as a customer-service assistant) but copies when the document is called "text".
+    if task == 0:
+        return f"Copy the following text exactly:\n\n{lines}", lines
+    if task == 1:
+        return f"Copy the lines of the following text that mention {mention}, exactly as written:\n\n{lines}", lines
+    # The fields arrive as one semicolon-separated line: the answer copies the values, not the layout.
+    flat = "; ".join(f"{k} = {v}" for k, v in fields)
+    return f"Rewrite each field of the following {kind} as `key: value` lines:\n\n{flat}", flat
+
+
+SUBJECTS = ["a lighthouse keeper", "a retired astronaut", "a young baker", "a lost robot", "a village doctor",
+            "a street musician", "an old cartographer", "a night-shift nurse"]  # fmt: skip
+EVENTS = ["finds a message in a bottle", "misses the last train home", "inherits a strange key",
+          "hears a song nobody else can hear", "meets a talking fox", "wakes up a hundred years later"]  # fmt: skip
+THINGS = ["a refrigerator", "the immune system", "a suspension bridge", "photosynthesis", "a jet engine",
+          "compound interest", "the water cycle", "a vaccine", "an electric guitar", "tides"]  # fmt: skip
+AUDIENCES = ["a ten-year-old", "a curious adult", "a history student", "someone who has never seen one"]
+ADVICE = ["starting to run in the mornings", "keeping houseplants alive", "preparing for a job interview",
+          "learning a second language", "sleeping better", "planning a first vegetable garden",
+          "saving money on groceries", "writing a wedding toast"]  # fmt: skip
+
+
+def chat_prompt(index: int, seed: int = 0) -> str:
+    rng = random.Random(f"chat-{seed}-{index}")
+    kind = index % 3
+    if kind == 0:
+        return f"Write a short story about {rng.choice(SUBJECTS)} who {rng.choice(EVENTS)}."
+    if kind == 1:
+        return f"Explain how {rng.choice(THINGS)} works to {rng.choice(AUDIENCES)}."
+    return f"Give me some practical advice on {rng.choice(ADVICE)}."
+
+
 # ---- requests ----------------------------------------------------------------------------------------
 
-
-_MEDIA_SEED_BASE = {"chatbot": 100_000, "agent": 200_000, "data": 300_000}
+# Per-workload image seed ranges: a "unique" image never repeats one another workload sent to the same
+# server (a spurious prefix/encoder-cache hit). placard / imagechat keep the seeds their tables were made with.
+_MEDIA_SEED_BASE = {"chatbot": 100_000, "agent": 200_000, "data": 300_000, "placard": 0, "imagechat": 500_000}
 
 
 @dataclass(frozen=True)
 class BenchRequest:
     index: int
     payload: dict[str, Any]
-    output_tokens: int  # requested (fixed when the server honours ignore_eos)
-    media: str  # "none" | "image:<seed>" | "video:<seed>"
+    output_tokens: int  # requested (exact when the server honours the length-pinning fields)
+    media: str  # "none" | "image:<seed>" | "photo:<seed>" | "video:<seed>"
+    source: str = ""  # extraction: the document text the answer should copy from
 
 
 @dataclass
@@ -199,11 +392,10 @@ class RequestFactory:
     def build(self, index: int) -> BenchRequest:
         rng = random.Random(f"{self.spec.name}:{self.seed}:{index}")
         spec = self.spec
-        lo, hi = spec.output_tokens
-        out_tokens = rng.randint(lo, hi)
-        user_text = self._user_text(index, rng)
-        content: list[dict[str, Any]] = []
+        out_tokens = rng.randint(*spec.output_tokens)
+        user_text, source = self._user_text(index, rng)
         media = self._media(index, rng)
+        content: list[dict[str, Any]] = []
         if media != "none":
             kind, _, seed = media.partition(":")
             w, h = spec.image_size
@@ -211,42 +403,53 @@ class RequestFactory:
                 uri = data_uri(video_mp4(int(seed), spec.video_frames, w, h), "video/mp4")
                 content.append({"type": "video_url", "video_url": {"url": uri}})
             else:
-                content.append(
-                    {"type": "image_url", "image_url": {"url": data_uri(image_jpeg(int(seed), w, h), "image/jpeg")}}
-                )
+                jpeg = (photo_jpeg if kind == "photo" else image_jpeg)(int(seed), w, h)
+                content.append({"type": "image_url", "image_url": {"url": data_uri(jpeg, "image/jpeg")}})
         content.append({"type": "text", "text": user_text})
         messages: list[dict[str, Any]] = []
         if self._prefix:
             messages.append({"role": "system", "content": self._prefix})
         # Plain-string content for text-only requests: every server accepts it.
         messages.append({"role": "user", "content": content if media != "none" else user_text})
-        return BenchRequest(index, chat_payload(messages, out_tokens, self.model, self.flavor), out_tokens, media)
+        payload = chat_payload(messages, out_tokens, self.model, self.flavor if spec.pin_length else "openai")
+        if spec.name == "placard":
+            payload["response_format"] = PLACARD_RESPONSE_FORMAT
+        return BenchRequest(index, payload, out_tokens, media, source)
 
     def _media(self, index: int, rng: random.Random) -> str:
         spec = self.spec
-        # Per-workload seed ranges: a "unique" image never repeats one another workload sent to
-        # the same server (that would be a spurious prefix/encoder-cache hit).
         unique = _MEDIA_SEED_BASE.get(spec.name, 900_000) + index
+        kind = "photo" if spec.photo else "image"
         if spec.video_frames > 0:
             return f"video:{unique}"
         if spec.image == "unique":
-            return f"image:{unique}"
+            return f"{kind}:{unique}"
         if spec.image == "shared":
-            return "image:1" if rng.random() < spec.shared_image_prob else f"image:{unique}"
+            return f"{kind}:1" if rng.random() < spec.shared_image_prob else f"{kind}:{unique}"
         return "none"
 
-    def _user_text(self, index: int, rng: random.Random) -> str:
+    def _user_text(self, index: int, rng: random.Random) -> tuple[str, str]:
+        """(the user message's text, the document an answer should copy from)."""
+        name = self.spec.name
+        if name == "placard":
+            return PLACARD_PROMPT, ""
+        if name == "imagechat":
+            return QUESTIONS[index % len(QUESTIONS)], ""
+        if name == "extraction":
+            return extraction_prompt(index, self.seed)
+        if name == "chat":
+            return chat_prompt(index, self.seed), ""
         if self.spec.json_output:
             head = (
                 "Extract the main objects from this input. Answer only with JSON of the form "
                 '{"objects": [{"name": str, "color": str, "position": str}], "count": int}. '
             )
-        elif self.spec.name == "agent":
+        elif name == "agent":
             head = f"Task {index}: continue the plan above step by step and write the full result. "
         else:
             head = f"Question {index}: "
         tail = text_of_tokens(max(self.spec.user_tokens - 24, 4), 50_000 + self.seed * 7919 + index, self.tokenizer)
-        return head + tail
+        return head + tail, ""
 
 
 def chat_payload(messages: list[dict[str, Any]], max_tokens: int, model: str | None, flavor: str) -> dict[str, Any]:
@@ -272,13 +475,8 @@ def length_fields(flavor: str, max_tokens: int) -> dict[str, Any]:
     if flavor == "transformers":
         # `transformers serve` rejects unknown fields but takes a whole GenerationConfig as JSON;
         # min_new_tokens == max_new_tokens suppresses EOS like ignore_eos does.
-        import json
-
-        return {
-            "generation_config": json.dumps(
-                {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
-            )
-        }
+        config = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
+        return {"generation_config": json.dumps(config)}
     return {}
 
 

@@ -1,6 +1,7 @@
 """The benchmark harness's pure parts (stats, SSE parsing, arrivals, payloads, roofline arithmetic,
-the comparison table), its client against a fake streaming server, and one slow smoke run of
-serve_bench against our real server with the tiny checkpoint."""
+the side-by-side and A/B tables, the peers' command lines), its client against a fake streaming
+server, and slow smoke runs of serve_bench, side_by_side and ab against our real server with the
+tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import ab
 import client as C
-import compare
 import guidellm_check as GC
-import llamacpp_convert
+import models
+import peers
 import roofline as R
-import servers
+import side_by_side as SBS
 import stats as S
-import vs_llamacpp
 import workloads as W
 
 # ---- stats ------------------------------------------------------------------------------------------
@@ -95,6 +96,33 @@ def test_summary_flags_outputs_shorter_than_requested() -> None:
     assert not s.output_len_exact
 
 
+def test_medians_paired_ratios_and_guidellm_quantile() -> None:
+    assert S.median([3.0, None, float("nan"), 1.0, 2.0]) == 2.0 and math.isnan(S.median([]))
+    tree = S.median_tree([{"a": 1.0, "b": {"c": 5}, "e": ["x"]}, {"a": 3.0, "b": {"c": 1}}, {"a": 2.0, "b": {"c": 3}}])
+    assert tree == {"a": 2.0, "b": {"c": 3}, "e": ["x"]}
+    # Round by round: the drift (round 2 twice as slow for both) cancels.
+    assert S.paired_ratio([10.0, 5.0, 12.0], [8.0, 4.0, 10.0]) == pytest.approx(1.25)
+    assert S.lower_quantile([40.0, 10.0, 30.0, 20.0], [1, 1, 1, 1], 0.5) == 20.0
+    assert S.lower_quantile([10.0, 20.0, 30.0], [1, 1, 10], 0.5) == 30.0
+    assert math.isnan(S.lower_quantile([], [], 0.5))
+    rows = S.md_table(["a", "b"], [["1", "2"]])
+    assert rows == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_interleaved_takes_turns_and_reverses_the_order() -> None:
+    calls: list[str] = []
+    times = S.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3} and all(t >= 0 for v in times.values() for t in v)
+
+
+def test_decode_rate_per_request_alone_and_over_the_union_when_overlapping() -> None:
+    alone = [_record(0, 0.0, [1.0, 1.1, 1.2], 3), _record(1, 2.0, [3.0, 3.2, 3.4], 3)]
+    assert S.decode_rate(alone) == pytest.approx((10.0 + 5.0) / 2)
+    together = [_record(0, 0.0, [1.0, 1.1, 1.2], 3), _record(1, 0.0, [1.0, 1.2, 1.4], 3)]
+    assert S.decode_rate(together) == pytest.approx(4 / 0.4)  # 4 tokens after the first, decoding 1.0 -> 1.4
+
+
 def test_itl_spreads_multi_token_chunks() -> None:
     r = _record(0, 0.0, [1.0, 1.4, 1.8], 5)  # 4 tokens after the first, in 2 gaps
     assert r.itls == pytest.approx([0.2, 0.2, 0.2, 0.2])
@@ -147,8 +175,9 @@ def test_chunk_content_variants() -> None:
 
 def test_usage_chunk_and_stream_error_are_recorded() -> None:
     r = C.RequestRecord(0, "none", 3)
-    C._apply_chunk(r, {"choices": [{"delta": {"content": "a"}}]}, 0.1)
-    C._apply_chunk(
+    C.apply_chunk(r, {"choices": [{"delta": {"role": "assistant"}}]}, 0.05)  # llama-server: the prompt is done
+    C.apply_chunk(r, {"choices": [{"delta": {"content": "a"}}]}, 0.1)
+    C.apply_chunk(
         r,
         {
             "choices": [],
@@ -157,7 +186,10 @@ def test_usage_chunk_and_stream_error_are_recorded() -> None:
         0.2,
     )
     assert (r.output_tokens, r.prompt_tokens, r.cached_tokens, r.first_token_s) == (3, 40, 32, 0.1)
-    C._apply_chunk(r, {"error": {"message": "bad image"}}, 0.3)
+    assert (r.first_chunk_s, r.first_chunk, r.text) == (0.05, 0.05, "a")
+    C.apply_chunk(r, {"choices": [{"delta": {}, "finish_reason": "length"}], "timings": {"prompt_ms": 9.0}}, 0.25)
+    assert r.finish_reason == "length" and r.server_timings == {"prompt_ms": 9.0}
+    C.apply_chunk(r, {"error": {"message": "bad image"}}, 0.3)
     assert r.error and "bad image" in r.error
 
 
@@ -212,7 +244,8 @@ def test_requests_are_deterministic_valid_openai_payloads() -> None:
             assert r.payload == f2.build(i).payload
             assert set(r.payload) - {"ignore_eos"} <= allowed
             assert r.payload["stream"] is True and r.payload["stream_options"] == {"include_usage": True}
-            assert r.payload["ignore_eos"] is True and r.payload["max_tokens"] == r.output_tokens
+            assert r.payload.get("ignore_eos") is (True if f1.spec.pin_length else None)
+            assert r.payload["max_tokens"] == r.output_tokens
             lo, hi = f1.spec.output_tokens
             assert lo <= r.output_tokens <= hi
             assert [m["role"] for m in r.payload["messages"]] == (
@@ -227,7 +260,28 @@ def test_our_server_accepts_the_payloads() -> None:
         r = W.RequestFactory(W.workload_spec(name, shared_prefix_tokens=20), "m", "vlm-engine").build(0)
         parsed = protocol.parse_chat(r.payload, "m", 16, 8192, 8)
         assert parsed.stream and parsed.include_usage
-        assert parsed.sampling.ignore_eos and parsed.sampling.max_tokens == r.output_tokens
+        assert parsed.sampling.ignore_eos is W.DEFAULT_SPECS[name].pin_length
+        assert parsed.sampling.max_tokens == r.output_tokens
+
+
+def test_image_workloads_send_fresh_photos_and_placard_its_schema() -> None:
+    placard = W.RequestFactory(W.workload_spec("placard"), None)
+    a, b = placard.build(0), placard.build(1)
+    assert a.media == "photo:0" and b.media == "photo:1" and a.payload == placard.build(0).payload
+    assert _image(_user_parts(a.payload)[0]).size == (640, 480)
+    assert a.payload["response_format"]["json_schema"]["schema"] == W.PLACARD_SCHEMA
+    chat = W.RequestFactory(W.workload_spec("imagechat"), None).build(2)
+    assert chat.media == "photo:500002" and chat.payload["ignore_eos"] and "response_format" not in chat.payload
+
+
+def test_extraction_prompts_carry_the_document_their_answers_copy() -> None:
+    f = W.RequestFactory(W.workload_spec("extraction"), None)
+    for i in range(3):
+        r = f.build(i)
+        assert r.source and r.source in r.payload["messages"][-1]["content"]
+    assert ab.copied_share(f.build(0).source[:40], f.build(0).source) == 1.0
+    assert ab.copied_share("nothing of the sort here", f.build(0).source) == 0.0
+    assert ab.copied_share("short", "short") is None
 
 
 def test_data_workload_sends_a_different_image_per_request_and_chatbot_shares_one() -> None:
@@ -429,47 +483,31 @@ def test_matmul_size_keeps_one_call_within_budget() -> None:
     assert "emulated" not in R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048, isa="avx512_bf16").describe()
 
 
-# ---- comparison table ---------------------------------------------------------------------------------
+# ---- the side-by-side table ---------------------------------------------------------------------------
 
 
-def _point(server: str, workload: str, value: float, rps: float, ttft: float) -> dict[str, Any]:
+def _point(server: str, workload: str, value: float, rps: float, ttft: float, rep: int = 1) -> dict[str, Any]:
     s = S.summarize([_record(0, 0.0, [ttft, ttft + 0.1], 2)], 1.0).to_json()
     s["request_throughput"] = rps
-    return {
-        "server": server,
-        "workload": workload,
-        "mode": "closed",
-        "value": value,
-        "label": f"c={value}",
-        "summary": s,
-    }
+    s["output_throughput"] = 10 * rps
+    return {"server": server, "plan": workload, "workload": workload, "mode": "closed", "value": value,
+            "label": f"c={value}", "rep": rep, "summary": s}  # fmt: skip
 
 
 def test_aggregate_takes_medians_over_reps() -> None:
-    runs = [{"points": [_point("ours", "data", 16, r, 0.1)]} for r in (1.0, 3.0, 2.0)]
-    (agg,) = compare.aggregate(runs)
-    assert agg["reps"] == 3 and agg["summary"]["request_throughput"] == 2.0
+    points = [_point("ours", "data", 16, r, 0.1, rep) for rep, r in enumerate((1.0, 3.0, 2.0))]
+    (agg,) = SBS.aggregate(points).values()
+    assert agg["reps"] == 3 and agg["request_throughput"] == 2.0
 
 
-def test_table_and_targets() -> None:
+def test_side_by_side_table_ratios_and_speedups() -> None:
+    suite = SBS.SUITES["transformers"]
+    sides = ["ours", "transformers"]
     points = [_point("ours", "data", 16, 1.6, 0.2), _point("transformers", "data", 16, 0.5, 0.8)]
-    rows = compare.table_rows(points, "ours", "transformers")
+    rows = SBS.table(suite, sides, SBS.aggregate(points), "avx2")
     assert rows[0].count("|") == rows[1].count("|") == rows[2].count("|")
     assert "**3.20x**" in rows[2] and "**4.00x**" in rows[2]  # req/s ratio, TTFT speed-up
-    lines = compare.target_lines(points, "ours", "transformers", [])
-    assert "PASS" in lines[0]
-    points[0]["summary"]["request_throughput"] = 1.0
-    assert "MISS" in compare.target_lines(points, "ours", "transformers", [])[0]
-    machine = R.MachineCeilings(100e9, 200e9, 20e9, 30e9, 2, "cpu", "t", 2048)
-    cost = R.ModelCost(10**8, 0, 0, 0, 1, 1, 1, 1)
-    fast = R.roofline(cost, machine, 64, 0, 0.1, "bfloat16", "forward_s").__dict__
-    decode = [
-        {"model": "m", "engine": {"batch": 64, "model_dir": "/x/m", "dtype": "bfloat16"}, "forward_s": fast},
-        {"model": "broken", "error": "boom"},
-    ]
-    lines = compare.target_lines(points, "ours", "transformers", decode)
-    assert any("64% of matmul FLOP/s (target >= 60%): **PASS**" in line for line in lines)
-    assert any("failed: boom" in line for line in lines)
+    assert rows[2].startswith("| data | c=16 | avx2 | 1.60 | 0.50 | **3.20x** |")
 
 
 def test_plots_write_pngs(tmp_path: Path) -> None:
@@ -484,20 +522,67 @@ def test_plots_write_pngs(tmp_path: Path) -> None:
 
 
 def test_server_commands() -> None:
-    ours = servers.ServerSpec("ours", "/m", "bfloat16", ("--max-num-seqs", "32"), kv_tokens=4096).command(8000)
+    ours = peers.ServerSpec("ours", "/m", "bfloat16", ("--max-num-seqs", "32"), kv_tokens=4096).command(8000)
     assert (
         ours[1:4] == ["-m", "vlm_engine.cli", "serve"]
         and "--kv-cache-tokens" in ours
         and ours[-2:] == ["--max-num-seqs", "32"]
     )
-    assert servers.ServerSpec("ours", "/m").flavor == "vlm-engine"
-    peer = servers.ServerSpec("transformers", "/m", kv_tokens=1000)
+    assert peers.ServerSpec("ours", "/m").flavor == "vlm-engine"
+    llama = peers.ServerSpec("llamacpp", "/m.gguf", kv_tokens=8192, executable="/bin/llama-server", slots=8).command(1)
+    assert llama[:3] == ["/bin/llama-server", "-m", "/m.gguf"] and llama[llama.index("-np") + 1] == "8"
+    assert "--dtype" not in llama and peers.ServerSpec("llamacpp", "/m").flavor == "llamacpp"
+    vllm = peers.ServerSpec("vllm", "/m", "bfloat16").command(2)
+    assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and vllm[vllm.index("--model") + 1] == "/m"
+    with pytest.raises(ValueError, match="unknown server kind"):
+        peers.ServerSpec("nope", "/m").command(3)
+    peer = peers.ServerSpec("transformers", "/m", kv_tokens=1000)
     assert peer.flavor == "transformers"
     try:
         cmd = peer.command(8001)
     except FileNotFoundError:  # a peer, from the [bench] extra: legitimately absent from a test install
         pytest.skip("transformers CLI not installed")
     assert "--continuous-batching" in cmd and cmd[cmd.index("--cb-num-blocks") + 1] == "4"
+
+
+def test_side_names_become_servers(tmp_path: Path) -> None:
+    smollm2 = models.MODELS["smollm2"]
+    spec = peers.side_spec("ours int4", smollm2, tmp_path, slots=4, kv_tokens=None)
+    assert spec.model_dir.endswith("Q4_1.gguf") and spec.extra_args[:2] == ("--quantization", "int4")
+    vlm = models.MODELS["qwen2-vl-tiny"]
+    spec = peers.side_spec("ours int4", vlm, tmp_path, slots=4, kv_tokens=None)  # no shipped file: quantized here
+    assert spec.model_dir == str(tmp_path) and spec.label == "ours int4"
+    assert peers.side_spec("transformers bf16", vlm, tmp_path, slots=1, kv_tokens=512).dtype == "bfloat16"
+    assert peers.side_spec("ours", vlm, tmp_path, slots=1, kv_tokens=None).dtype == "auto"
+    with pytest.raises(FileNotFoundError, match="llama-server"):
+        peers.side_spec("llama.cpp F32 + mmproj", vlm, tmp_path, slots=1, kv_tokens=None)
+    with pytest.raises(ValueError, match="unknown side"):
+        peers.side_spec("ollama", vlm, tmp_path, slots=1, kv_tokens=None)
+
+
+class _FakeLlama(peers.LlamaCpp):
+    """Conversions named, not run: what side_spec asks llama.cpp's tools for."""
+
+    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
+        return Path(f"/gguf/{'mmproj-' if mmproj else ''}{outtype}.gguf")
+
+    def quantize(self, src: Path, qtype: str) -> Path:
+        return Path(f"/gguf/{src.stem}->{qtype}.gguf")
+
+
+def test_llamacpp_sides_convert_quantize_and_add_the_projector(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    llama = _FakeLlama(Path("/bin/llama-server"))
+    q25 = models.MODELS["qwen2.5-vl-3b"]
+    spec = peers.side_spec("llama.cpp Q4_K_M + mmproj", q25, tmp_path, slots=8, kv_tokens=None, llama=llama)
+    assert spec.model_dir == "/gguf/bf16->Q4_K_M.gguf" and spec.kv_tokens == 4096  # the trained context
+    assert spec.extra_args[:2] == ("--mmproj", "/gguf/mmproj-bf16.gguf") and spec.slots == 8
+    smolvlm = models.MODELS["smolvlm2-500m"]
+    spec = peers.side_spec("llama.cpp BF16 + bf16 mmproj", smolvlm, tmp_path, slots=8, kv_tokens=None, llama=llama)
+    assert spec.model_dir == "/gguf/bf16.gguf" and spec.extra_args[1] == "/gguf/mmproj-bf16.gguf"
+    assert spec.kv_tokens == 2048 * 8  # at least 2,048 a slot
+    text = peers.side_spec("llama.cpp F32", models.MODELS["smollm2"], tmp_path, slots=64, kv_tokens=None, llama=llama)
+    assert text.model_dir == "/gguf/f32.gguf" and "--mmproj" not in text.extra_args and text.kv_tokens == 65_536
 
 
 # ---- the client against a fake streaming server -----------------------------------------------------------
@@ -578,12 +663,6 @@ def test_connection_errors_become_records_not_exceptions() -> None:
 
 
 # ---- guidellm check ----------------------------------------------------------------------------------------
-
-
-def test_guidellm_quantile_is_the_first_value_reaching_the_weight_share() -> None:
-    assert GC.lower_quantile([40.0, 10.0, 30.0, 20.0], [1, 1, 1, 1], 0.5) == 20.0
-    assert GC.lower_quantile([10.0, 20.0, 30.0], [1, 1, 10], 0.5) == 30.0
-    assert math.isnan(GC.lower_quantile([], [], 0.5))
 
 
 def test_guidellm_is_given_our_requests_as_jsonl(tmp_path: Path) -> None:
@@ -706,7 +785,7 @@ def test_serve_bench_smoke_against_our_server(tmp_path: Path) -> None:
     assert (tmp_path / "latency_vs_concurrency.png").exists()
 
 
-class _HangingSpec(servers.ServerSpec):
+class _HangingSpec(peers.ServerSpec):
     """A 'server' that never becomes healthy and has a child of its own."""
 
     def command(self, port: int) -> list[str]:
@@ -717,7 +796,7 @@ class _HangingSpec(servers.ServerSpec):
 def test_managed_server_kills_its_whole_group_when_startup_fails(tmp_path: Path) -> None:
     import os
 
-    server = servers.ManagedServer(_HangingSpec("ours", "/none"), tmp_path, startup_timeout_s=1.5, stop_grace_s=2.0)
+    server = peers.ManagedServer(_HangingSpec("ours", "/none"), tmp_path, startup_timeout_s=1.5, stop_grace_s=2.0)
     with pytest.raises(TimeoutError):
         server.start()
     assert server.proc is None
@@ -748,19 +827,34 @@ def test_served_dtype_is_what_our_auto_runs_on_this_cpu(tmp_path: Path, monkeypa
 
 
 @pytest.mark.slow
-def test_speculative_benchmark_quick(tmp_path: Path) -> None:
-    import speculative
-
+def test_ab_speculative_quick(tmp_path: Path) -> None:
     from testkit.checkpoints import cached_qwen2_vl
 
-    assert speculative.main(["--quick", "--model", str(cached_qwen2_vl("tiny")), "--out", str(tmp_path)]) == 0
+    assert ab.main(["speculative", "--quick", "--model", str(cached_qwen2_vl("tiny")), "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     expected = {f"{w}/c={c}/{cfg}" for w in ("extraction", "chat") for c in (1, 2) for cfg in ("off", "ngram")}
-    assert {p["key"] for p in result["points"]} == expected  # --quick starts no 'ngram-forced' server
-    for p in result["points"]:
-        assert p["num_ok"] == p["num_requests"] == 2 and "acceptance_length" in p
-        assert p["median"]["decode_tok_s"] is not None
-    assert result["machine"]["isa_tier"] and (tmp_path / "table.md").exists()
+    assert set(result["runs"]) == expected  # --quick starts no 'ngram-forced' server
+    for runs in result["runs"].values():
+        (run,) = runs
+        assert run["summary"]["num_ok"] == run["summary"]["num_requests"] == 2 and set(run["spec"]) == set(ab.SPEC_COUNTERS)
+        assert run["summary"]["decode_tok_s"] > 0 and len(run["texts"]) == 2
+    table = (tmp_path / "table.md").read_text()
+    assert "CPU tier **" in table and "| extraction | 2 | ngram |" in table
+
+
+@pytest.mark.slow
+def test_side_by_side_smoke_against_our_server(tmp_path: Path) -> None:
+    from testkit.checkpoints import cached_qwen2_vl
+
+    argv = ["transformers", "--smoke", "--plans", "data", "--sides", "ours,ours float32", "--concurrency", "2",
+            "--requests", "2", "--model", str(cached_qwen2_vl("tiny")), "--out", str(tmp_path), "--no-decode-roofline"]  # fmt: skip
+    assert SBS.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {(p["server"], p["label"]) for p in result["points"]} == {("ours", "c=2"), ("ours float32", "c=2")}
+    assert all(p["summary"]["num_ok"] == 2 and p["summary"]["output_len_exact"] for p in result["points"])
+    assert all(i["peak_rss_bytes"] > 0 for i in result["servers"])
+    row = next(line for line in (tmp_path / "table.md").read_text().splitlines() if line.startswith("| data | c=2 |"))
+    assert row.count("**") == 8  # ours / ours float32 for req/s and tok/s, speed-ups for TTFT and TPOT
 
 
 # ---- vs llama.cpp ------------------------------------------------------------------------------------
@@ -768,31 +862,27 @@ def test_speculative_benchmark_quick(tmp_path: Path) -> None:
 
 def test_converter_takes_our_qwen2_tokenizer_as_qwen2_and_nothing_else(tiny_vlm_dir: Path, tmp_path: Path) -> None:
     # Our locally trained Qwen2-VL tokenizer splits with Qwen2's regex: llama.cpp's qwen2 pre-tokenizer.
-    assert llamacpp_convert.uses_qwen2_split(tiny_vlm_dir)
+    assert peers.uses_qwen2_split(tiny_vlm_dir)
     other = json.loads((tiny_vlm_dir / "tokenizer.json").read_text())
     other["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     (tmp_path / "tokenizer.json").write_text(json.dumps(other))
-    assert not llamacpp_convert.uses_qwen2_split(tmp_path)
-    assert not llamacpp_convert.uses_qwen2_split(tmp_path / "missing")
+    assert not peers.uses_qwen2_split(tmp_path)
+    assert not peers.uses_qwen2_split(tmp_path / "missing")
 
 
-def test_vs_llamacpp_tables_put_each_plan_in_its_unit() -> None:
-    def point(server: str, plan: str, c: int, tok_s: float, req_s: float) -> dict[str, Any]:
+def test_llamacpp_tables_put_each_plan_in_its_unit() -> None:
+    def point(server: str, plan: str, tok_s: float, req_s: float) -> dict[str, Any]:
         summary = {"output_throughput": tok_s, "request_throughput": req_s, "ttft": {"p50": 0.5}}
-        return {"server": server, "plan": plan, "concurrency": c, "summary": summary | {"mean_prompt_tokens": 229}}
+        return {"server": server, "plan": plan, "label": "c=16", "rep": 1, "summary": summary | {"mean_prompt_tokens": 229}}
 
-    text = [point(n, "textchat", 16, t, 1.0) for n, t in zip(vs_llamacpp.TEXT_NAMES, (260.0, 200.0, 130.0, 65.0))]
-    vision = [point(n, "vlm-data", 16, 20.0, r) for n, r in zip(vs_llamacpp.VISION_NAMES, (1.5, 1.0, 1.8, 1.2))]
-    plans = list(vs_llamacpp.PLANS)
-    rows = vs_llamacpp.table(text + vision, "avx2", plans)
-    textchat16 = next(r for r in rows if r.startswith("| textchat | 16 |"))
-    assert "**1.30x**" in textchat16 and "**0.50x**" in textchat16  # ours / best llama.cpp; int4 / Q4_1
+    text = [point(n, "textchat", t, 1.0) for n, t in zip(SBS.LLAMA_TEXT, (260.0, 200.0, 130.0, 65.0))]
+    vision = [point(n, "vlm-data", 20.0, r) for n, r in zip(SBS.LLAMA_VLM, (1.5, 1.0, 1.8, 1.2))]
+    rows = SBS.table(SBS.SUITES["llamacpp-text"], list(SBS.LLAMA_TEXT), SBS.aggregate(text), "avx2")
+    textchat16 = next(r for r in rows if r.startswith("| textchat | c=16 |"))
+    assert "| 260.0 | 200.0 | 130.0 | 65.0 | **1.30x** | **1.30x** | **0.50x** |" in textchat16  # F32, best, int4/Q4_1
     assert not any("vlm-data" in r for r in rows)
-    vrows = vs_llamacpp.vision_table(text + vision, "avx2", plans)
-    data16 = next(r for r in vrows if r.startswith("| vlm-data | 16 |"))
+    vrows = SBS.table(SBS.SUITES["llamacpp-vlm"], list(SBS.LLAMA_VLM), SBS.aggregate(vision), "avx2")
+    data16 = next(r for r in vrows if r.startswith("| vlm-data | c=16 |"))
     # ours / llama.cpp F32, ours int8 / llama.cpp Q8_0
-    assert (
-        "1.50 | 1.00 | 1.80 | 1.20 | **1.50x** | **1.50x** | 500.0 | 500.0 | 500.0 | 500.0 | 229.0 / 229.0 / 229.0 / 229.0"
-        in data16
-    )
+    assert "| 1.50 | 1.00 | 1.80 | 1.20 | **1.50x** | **1.50x** | 500 / 500 / 500 / 500 | 229.0 / 229.0 / 229.0 / 229.0 |" in data16
     assert all(r.count("|") == vrows[0].count("|") for r in vrows)

