@@ -1,20 +1,25 @@
 """The OpenAI wire format: request validation and response / chunk / error bodies.
 
 Responses carry every field the official API returns, nulls included, so clients that read
-them through the official SDK's models (strictly or not) see what they expect. Requests are
-plain JSON dicts: unknown fields are ignored, known ones are type-checked and range-checked here
-(the API server's only input work; messages and media are checked by the preprocess workers).
-Every field, unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
+them through the official SDK's models (strictly or not) see what they expect. Requests are typed
+(`request_models`): `typed` converts a decoded body and words msgspec's errors as this server
+always has; what types cannot say (ranges that depend on the server, fields that exclude each
+other) is checked here. Messages and media are checked by the preprocess workers. Every field,
+unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+import msgspec
 
 from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.server.request_models import ERRORS, ChatBody, CompletionBody
 from vlm_engine.structured.spec import (
     StructuredOutput,
     StructuredOutputError,
@@ -26,13 +31,12 @@ from vlm_engine.structured.tools import ToolChoice, resolve_tool_choice, validat
 SYSTEM_FINGERPRINT = "fp_vlm_engine"
 NO_TOOLS = ToolChoice("none")
 
-# Bodies are decoded without a schema, so any field may hold any JSON. Two kinds of value would
-# fail far from the field that holds them: integers the msgpack IPC cannot carry to the workers
-# and the core (a 500 from the encoder), and deep nesting (recursion in the workers' template,
-# grammar and encoder code). Both are the client's doing: a 400 that names the field.
+# The wire carries integers in [-2**63, 2**64) (msgpack); deeper nesting would recurse in the
+# workers' template, grammar and encoder code. Both are the client's doing: a 400 that names the
+# field, checked on every field (unknown ones too) before any is read.
 MAX_JSON_DEPTH = 128  # generous: OpenAI allows JSON schemas 10 objects deep
 _WIRE_INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
-_INT64_RANGE = (-(2**63), 2**63 - 1)  # integer fields (seed + choice index must still fit the wire)
+T = TypeVar("T")
 
 
 class ApiError(Exception):
@@ -90,38 +94,10 @@ class GenerateRequest:
         return self.n * len(self.prompts)
 
 
-def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass: `"max_tokens": true` must not pass as 1.
-    if isinstance(value, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise ApiError(400, f"'{name}' must be of type {_kind_name(kinds)}", param=name)
-    if not isinstance(value, kinds):
-        raise ApiError(400, f"'{name}' must be of type {_kind_name(kinds)}", param=name)
-    if kinds is int and not _INT64_RANGE[0] <= value <= _INT64_RANGE[1]:
-        raise ApiError(400, f"'{name}' must be a 64-bit integer, got {_short(value)}", param=name)
-    return value
-
-
-def _short(value: int) -> str:
-    text = str(value)
-    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
-
-
-def _kind_name(kinds: type | tuple[type, ...]) -> str:
-    names = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
-    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
-
-
-def _number(body: dict[str, Any], name: str, default: float) -> float:
-    # Integers too large for a float never get here: _check_json_limits refuses them first.
-    return float(_get(body, name, (int, float), default))
-
-
-def _check_json_limits(body: dict[str, Any]) -> None:
-    """Every field (those we ignore too) within MAX_JSON_DEPTH and the wire's integer range."""
+def check_body(body: Any, served_model: str) -> dict[str, Any]:
+    """A JSON object within the wire's limits that names the served model or none (404 otherwise)."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
     low, high = _WIRE_INT_RANGE
     for name, value in body.items():
         stack = [(value, 1)]  # iterative: the point is not to recurse on hostile depth
@@ -134,30 +110,81 @@ def _check_json_limits(body: dict[str, Any]) -> None:
                 if depth > MAX_JSON_DEPTH:
                     raise ApiError(400, f"'{name}' is nested more than {MAX_JSON_DEPTH} levels deep", param=name)
                 stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
-
-
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "'stop' must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stop) > 16:
-        raise ApiError(400, "at most 16 stop sequences are supported", param="stop")
-    return tuple(stop)
-
-
-def check_body(body: Any, served_model: str) -> dict[str, Any]:
-    """A JSON object within the wire's limits that names the served model or none (404 otherwise)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    _check_json_limits(body)
     model = body.get("model")
     if model is not None and model != served_model:
         raise ApiError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
     return body
+
+
+def parse_body(body: Any, served_model: str, model: type[T]) -> T:
+    """`check_body`, then the body as `model` (a top-level null is a field not given)."""
+    return typed(given(check_body(body, served_model)), model)
+
+
+def given(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields given: a top-level null means "not given" (the default), as it always has."""
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def typed(value: Any, model: Any, at: str = "") -> Any:
+    """`value` converted to `model` (a Struct or a type like list[Struct]); a msgspec error becomes
+    the 400 `request_models.ERRORS` words for its path, or the generic one. `at`: where `value` sits."""
+    try:
+        return msgspec.convert(value, model)
+    except msgspec.ValidationError as exc:
+        raise _api_error(str(exc), value, at) from None
+
+
+_KIND_NAMES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def _api_error(error: str, root: Any, at: str) -> ApiError:
+    what, _, where = error.partition(" - at ")  # "Expected `int`, got `str`", "`$.n`" or "`key` in `$.metadata`"
+    path = where.strip("`").removeprefix("key` in `").removeprefix("$") + ("[...]" if where.startswith("`key`") else "")
+    missing = re.match(r"Object missing required field `(\w+)`", what)
+    path += f".{missing[1]}" if missing else ""  # told at the field, which is absent (None)
+    value, path = _value_at(root, path), (at + path).lstrip(".")
+    rule = ERRORS.get(re.sub(r"\[\d+\]", "[]", path))
+    if rule is not None:
+        message, param = rule if isinstance(rule, tuple) else (rule, "{path}")
+        fields = {"path": path, "parent": re.sub(r"(\.\w+|\[\d+\])$", "", path), "value": value}
+        return ApiError(400, message.format(**fields), param=param.format(**fields))
+    bound = re.match(r"Expected `int` [<>]= (-?\d+)", what)
+    kinds = re.match(r"Expected `([^`]+)`, got", what)
+    if bound and abs(int(bound[1])) >= 2**63 - 1:
+        message = f"'{path}' must be a 64-bit integer, got {_short(value)}"
+    elif bound:
+        message = f"'{path}' must be at least {bound[1]}, got {value}"
+    elif kinds:
+        names = dict.fromkeys(_KIND_NAMES.get(k, k) for k in kinds[1].split(" | ") if k != "null")
+        message = f"'{path}' must be of type {' or '.join(names)}"
+    else:
+        message = f"'{path}': {what}"  # msgspec's own words
+    return ApiError(400, message, param=path or None)
+
+
+def _value_at(root: Any, path: str) -> Any:
+    """What the client sent at `path` (".input[0].type"); None where nothing is."""
+    node = root
+    for name, index in _STEP.findall(path):
+        if name and isinstance(node, dict):
+            node = node.get(name)
+        elif index and isinstance(node, list) and int(index) < len(node):
+            node = node[int(index)]
+        else:
+            return None
+    return node
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
+
+
+def _between(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name)
 
 
 def check_media_counts(messages: list[Any], max_images: int, max_videos: int) -> None:
@@ -166,31 +193,36 @@ def check_media_counts(messages: list[Any], max_images: int, max_videos: int) ->
         (("image_url", "image"), max_images, "images"),
         (("video_url", "video"), max_videos, "videos"),
     ):
-        count = _count_parts(messages, kinds)
+        count = sum(
+            1
+            for m in messages
+            if isinstance(m, dict) and isinstance(m.get("content"), list)
+            for part in m["content"]
+            if isinstance(part, dict) and part.get("type") in kinds
+        )
         if count > limit:
             raise ApiError(400, f"at most {limit} {noun} per prompt are allowed, got {count}", param="messages")
 
 
-def _common(body: dict[str, Any], served_model: str, max_n: int) -> tuple[str, int, bool, bool, bool]:
-    check_body(body, served_model)
-    n = _get(body, "n", int, 1)
-    if not 1 <= n <= max_n:
-        raise ApiError(400, f"'n' must be between 1 and {max_n}, got {n}", param="n")
-    stream = _get(body, "stream", bool, False)
-    options = _get(body, "stream_options", dict, {}) if stream else {}
-    include_usage = bool(options.get("include_usage", False))
-    continuous = bool(options.get("continuous_usage_stats", False))
-    return served_model, n, stream, include_usage, continuous
+def resolve_tools(tools: Any, tool_choice: Any, parallel: bool) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
+    """Chat's `tools` and `tool_choice` (checked by structured.tools, in its words)."""
+    try:
+        tools = validate_tools(tools) if tools is not None else None
+        return tools, resolve_tool_choice(tools, tool_choice, parallel)
+    except StructuredOutputError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
 
 
-def _constraint(body: dict[str, Any], tool_constraint: StructuredOutput | None = None) -> StructuredOutput | None:
+def _constraint(
+    req: ChatBody | CompletionBody, tool_constraint: StructuredOutput | None = None
+) -> StructuredOutput | None:
     """The one output constraint of a request: response_format, structured_outputs or a forced tool call."""
     try:
         given = [
             (name, spec)
             for name, spec in (
-                ("response_format", from_response_format(body.get("response_format"))),
-                ("structured_outputs", from_structured_outputs(body.get("structured_outputs"))),
+                ("response_format", from_response_format(req.response_format)),
+                ("structured_outputs", from_structured_outputs(req.structured_outputs)),
                 ("tool_choice", tool_constraint),
             )
             if spec is not None
@@ -203,154 +235,98 @@ def _constraint(body: dict[str, Any], tool_constraint: StructuredOutput | None =
     return given[0][1] if given else None
 
 
-def _sampling(
-    body: dict[str, Any], max_tokens: int, logprobs: int | None, constraint: StructuredOutput | None = None
-) -> SamplingParams:
-    top_k = _get(body, "top_k", int, 0)
+def _generate(
+    kind: str, req: ChatBody | CompletionBody, served_model: str, prompts: list[Any], max_tokens: int,
+    top_logprobs: int | None, constraint: StructuredOutput | None, **fields: Any,
+) -> GenerateRequest:  # fmt: skip
+    """The engine request: what chat and completions build alike, `fields` the rest."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if len(stop) > 16:
+        raise ApiError(400, "at most 16 stop sequences are supported", param="stop")
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0),  # SamplingParams raises tiny ones to its floor
-            top_p=_number(body, "top_p", 1.0),
-            top_k=top_k,
-            seed=_get(body, "seed", int),
-            stop=_stop(body),
-            stop_token_ids=tuple(_token_ids(body.get("stop_token_ids"), "stop_token_ids")),
-            ignore_eos=_get(body, "ignore_eos", bool, False),
-            logprobs=logprobs,
+            temperature=float(req.temperature),  # SamplingParams raises tiny ones to its floor
+            top_p=float(req.top_p),
+            top_k=req.top_k,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+            logprobs=top_logprobs,
             structured_output=constraint,
         )
     except ValueError as exc:
         message = str(exc)
-        param = message.split(" ", 1)[0] if message else None
-        raise ApiError(400, message, param=param) from exc
-
-
-def _token_ids(value: Any, name: str) -> list[int]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ApiError(400, f"'{name}' must be a list of integers", param=name)
-    return value
-
-
-def _max_tokens(body: dict[str, Any], *names: str) -> int | None:
-    for name in names:
-        value = _get(body, name, int)
-        if value is not None:
-            if value < 1:
-                raise ApiError(400, f"'{name}' must be at least 1, got {value}", param=name)
-            return value
-    return None
-
-
-def _count_parts(messages: list[Any], types: tuple[str, ...]) -> int:
-    return sum(
-        1
-        for m in messages
-        if isinstance(m, dict) and isinstance(m.get("content"), list)
-        for part in m["content"]
-        if isinstance(part, dict) and part.get("type") in types
+        raise ApiError(400, message, param=message.split(" ", 1)[0] if message else None) from exc
+    options = typed(req.stream_options, dict[str, Any], "stream_options") if req.stream else {}
+    return GenerateRequest(
+        kind=kind,
+        model=served_model,
+        prompts=prompts,
+        n=req.n,
+        sampling=sampling,
+        stream=req.stream,
+        include_usage=bool(options.get("include_usage", False)),
+        continuous_usage=bool(options.get("continuous_usage_stats", False)),
+        return_token_ids=req.return_token_ids,
+        **fields,
     )
 
 
 def parse_chat(
     body: Any, served_model: str, max_n: int, max_model_len: int, max_images: int, max_videos: int = 0
 ) -> GenerateRequest:
-    model, n, stream, include_usage, continuous = _common(body, served_model, max_n)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array", param="messages")
-    check_media_counts(messages, max_images, max_videos)
-    mm_kwargs = _get(body, "mm_processor_kwargs", dict)
-    want_logprobs = _get(body, "logprobs", bool, False)
-    top = _get(body, "top_logprobs", int)
-    if top is not None and not want_logprobs:
+    req = parse_body(body, served_model, ChatBody)
+    _between("n", req.n, 1, max_n)
+    check_media_counts(req.messages, max_images, max_videos)
+    top = req.top_logprobs
+    if top is not None and not req.logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
-    if top is not None and not 0 <= top <= 20:
-        raise ApiError(400, f"'top_logprobs' must be between 0 and 20, got {top}", param="top_logprobs")
-    tools, tool_choice = _tools(body)
-    max_tokens = _max_tokens(body, "max_completion_tokens", "max_tokens")
+    if top is not None:
+        _between("top_logprobs", top, 0, 20)
+    tools, tool_choice = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     # No limit given: the engine stops at the context limit, so "as many as fit" is the context size.
-    constraint = _constraint(body, tool_choice.constraint)
-    sampling = _sampling(body, max_tokens or max_model_len, (top or 0) if want_logprobs else None, constraint)
-    return GenerateRequest(
-        kind="chat",
-        model=model,
-        prompts=[messages],
-        n=n,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous,
-        logprobs=want_logprobs,
-        tools=tools if tool_choice.mode != "none" else None,
-        tool_choice=tool_choice,
-        mm_processor_kwargs=mm_kwargs,
-        return_token_ids=_get(body, "return_token_ids", bool, False),
-    )
-
-
-def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolChoice]:
-    try:
-        tools = validate_tools(body["tools"]) if body.get("tools") is not None else None
-        parallel = _get(body, "parallel_tool_calls", bool, True)
-        return tools, resolve_tool_choice(tools, body.get("tool_choice"), parallel)
-    except StructuredOutputError as exc:
-        raise ApiError(400, exc.message, param=exc.param) from None
+    max_tokens = req.max_completion_tokens or req.max_tokens or max_model_len
+    return _generate(
+        "chat", req, served_model, [req.messages], max_tokens, (top or 0) if req.logprobs else None,
+        _constraint(req, tool_choice.constraint), logprobs=req.logprobs,
+        tools=tools if tool_choice.mode != "none" else None, tool_choice=tool_choice,
+        mm_processor_kwargs=req.mm_processor_kwargs,
+    )  # fmt: skip
 
 
 def parse_completion(body: Any, served_model: str, max_n: int) -> GenerateRequest:
-    model, n, stream, include_usage, continuous = _common(body, served_model, max_n)
-    prompts = _prompts(body.get("prompt"))
-    if body.get("echo"):
-        raise ApiError(400, "'echo' is not supported", param="echo")
-    if body.get("suffix"):
-        raise ApiError(400, "'suffix' is not supported", param="suffix")
-    best_of = _get(body, "best_of", int)
-    if best_of is not None and best_of != n:
+    req = parse_body(body, served_model, CompletionBody)
+    _between("n", req.n, 1, max_n)
+    prompts = _prompts(req.prompt)
+    for name in ("echo", "suffix"):
+        if getattr(req, name):
+            raise ApiError(400, f"'{name}' is not supported", param=name)
+    if req.best_of is not None and req.best_of != req.n:
         raise ApiError(400, "'best_of' other than n is not supported", param="best_of")
-    logprobs = _get(body, "logprobs", int)
-    if logprobs is not None and not 0 <= logprobs <= 20:
-        raise ApiError(400, f"'logprobs' must be between 0 and 20, got {logprobs}", param="logprobs")
-    max_tokens = _max_tokens(body, "max_tokens")
-    sampling = _sampling(body, max_tokens or 16, logprobs, _constraint(body))  # 16: the OpenAI completions default
-    if n * len(prompts) > max_n:
+    if req.logprobs is not None:
+        _between("logprobs", req.logprobs, 0, 20)
+    if req.n * len(prompts) > max_n:
         raise ApiError(400, f"at most {max_n} choices (n x prompts) per request", param="n")
-    return GenerateRequest(
-        kind="completion",
-        model=model,
-        prompts=prompts,
-        n=n,
-        sampling=sampling,
-        stream=stream,
-        include_usage=include_usage,
-        continuous_usage=continuous,
-        logprobs=logprobs is not None,
-        return_token_ids=_get(body, "return_token_ids", bool, False),
-        api="completions",
-    )
+    max_tokens = req.max_tokens or 16  # the OpenAI completions default
+    return _generate(
+        "completion", req, served_model, prompts, max_tokens, req.logprobs, _constraint(req),
+        logprobs=req.logprobs is not None, api="completions",
+    )  # fmt: skip
 
 
 def _prompts(prompt: Any) -> list[Any]:
     """A string, a token-id list, or a batch of either."""
-    bad = ApiError(400, "'prompt' must be a string, an array of token ids, or an array of those", param="prompt")
-    if isinstance(prompt, str):
+
+    def ids(value: Any) -> bool:
+        return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)  # bool is no id
+
+    if isinstance(prompt, str) or ids(prompt):
         return [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return [prompt]
-    for item in prompt:
-        if isinstance(item, str):
-            continue
-        if (
-            not isinstance(item, list)
-            or not item
-            or not all(isinstance(t, int) and not isinstance(t, bool) for t in item)
-        ):
-            raise bad
-    return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string, an array of token ids, or an array of those", param="prompt")
 
 
 # ---- responses -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vlm_engine.server import protocol as P
+from vlm_engine.server import request_models as M
 
 # Request fields passed to the chat body unchanged (vLLM's sampling extensions; the Responses API
 # has no names of its own for them).
@@ -101,34 +102,29 @@ def parse_responses(
 ) -> ResponsesRequest:
     """Validate a `POST /v1/responses` body. `previous` is the stored conversation of
     `previous_response_id` (looked up by the caller, which answers 404 for an unknown id)."""
-    P.check_body(body, served_model)
+    req = P.parse_body(body, served_model, M.ResponsesBody)
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
             raise P.ApiError(400, why, param=name)
-    truncation = P._get(body, "truncation", str, "disabled")
-    if truncation != "disabled":
+    if req.truncation != "disabled":
         raise P.ApiError(400, "only 'truncation': 'disabled' is supported", param="truncation")
-    instructions = P._get(body, "instructions", str)
-    _metadata(body.get("metadata"))
-    P._get(body, "user", str)
     messages: list[dict[str, Any]] = []
     origins_of: list[str] = []
-    if instructions:
-        messages.append({"role": "system", "content": instructions})
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
         origins_of.append("instructions")
     history_start = len(messages)
     for message in previous or []:
         messages.append(message)
         origins_of.append("previous_response")
-    for message, origin in input_messages(body.get("input")):
+    for message, origin in input_messages(req.input):
         messages.append(message)
         origins_of.append(origin)
     origins = Origins(origins_of)
-    tools = function_tools(body.get("tools"))
-    store = P._get(body, "store", bool, True)
+    tools = _chat_tools(req.tools)
     try:
         parsed = P.parse_chat(
-            chat_body(body, messages, tools), served_model, 1, max_model_len, max_images, max_videos
+            chat_body(body, messages, tools, req), served_model, 1, max_model_len, max_images, max_videos
         )
     except P.ApiError as exc:
         raise origins.error(exc) from None
@@ -137,74 +133,46 @@ def parse_responses(
         messages=messages,
         origins=origins,
         history_start=history_start,
-        echo=_echo(body, instructions, tools),
-        store=store,
+        echo=_echo(body, req, tools),
+        store=req.store,
     )
 
 
-def _metadata(value: Any) -> None:
-    """OpenAI's bounds: at most 16 string values, keys up to 64 and values up to 512 characters."""
-    if value is None:
-        return
-    if not isinstance(value, dict) or len(value) > 16:
-        raise P.ApiError(400, "'metadata' must be an object of at most 16 string values", param="metadata")
-    for key, item in value.items():
-        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
-            raise P.ApiError(
-                400, "'metadata' keys are at most 64 characters and values strings of at most 512", param="metadata"
-            )
-
-
-def chat_body(body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """The chat-completions body that asks for what `body` asks for."""
-    chat: dict[str, Any] = {"messages": messages, "stream": P._get(body, "stream", bool, False)}
-    if body.get("model") is not None:
-        chat["model"] = body["model"]
-    for name in ("temperature", "top_p", "parallel_tool_calls", *_PASSED_THROUGH):
+def chat_body(
+    body: dict[str, Any], messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+    req: M.ResponsesBody | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The chat-completions body that asks for what `body` (typed: `req`) asks for."""
+    req = req or P.typed(P.given(body), M.ResponsesBody)
+    chat: dict[str, Any] = {"messages": messages, "stream": req.stream}
+    for name in ("model", "temperature", "top_p", "parallel_tool_calls", *_PASSED_THROUGH):
         if body.get(name) is not None:
             chat[name] = body[name]
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
-    top = P._get(body, "top_logprobs", int)
-    if top is not None:
-        chat["logprobs"], chat["top_logprobs"] = True, top
+    if req.max_output_tokens is not None:
+        chat["max_completion_tokens"] = req.max_output_tokens
+    if req.top_logprobs is not None:
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs
     if tools is not None:
         chat["tools"] = tools
-    tool_choice = _chat_tool_choice(body.get("tool_choice"))
-    if tool_choice is not None:
-        chat["tool_choice"] = tool_choice
-    response_format = _response_format(body.get("text"))
+    if isinstance(req.tool_choice, M.FunctionChoice):  # Responses' {"type": "function", "name": N}
+        chat["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice.name}}
+    elif req.tool_choice is not None:
+        chat["tool_choice"] = req.tool_choice
+    response_format = _response_format(req.text)
     if response_format is not None:
         chat["response_format"] = response_format
     return chat
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
+def _response_format(text: M.TextConfig | None) -> dict[str, Any] | None:
     """`text.format` -> chat's `response_format`."""
-    if text is None:
-        return None
-    if not isinstance(text, dict):
-        raise P.ApiError(400, "'text' must be an object", param="text")
-    fmt = text.get("format")
+    fmt = text.format if text is not None else None
     if fmt is None:
         return None
-    if not isinstance(fmt, dict):
-        raise P.ApiError(400, "'text.format' must be an object", param="text.format")
-    kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    if kind == "json_schema":
-        schema = fmt.get("schema")
-        if not isinstance(schema, dict):
-            raise P.ApiError(400, "'text.format.schema' must be a JSON schema object", param="text.format.schema")
-        name = fmt.get("name")
-        if not isinstance(name, str) or not name:
-            raise P.ApiError(400, "'text.format.name' must be a non-empty string", param="text.format.name")
-        spec = {"name": name, "schema": schema, "strict": bool(fmt.get("strict", False))}
+    if isinstance(fmt, M.JsonSchemaFormat):
+        spec = {"name": fmt.name, "schema": fmt.schema, "strict": bool(fmt.strict)}
         return {"type": "json_schema", "json_schema": spec}
-    raise P.ApiError(
-        400, f"'text.format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}", param="text.format"
-    )
+    return {"type": "json_object" if isinstance(fmt, M.JsonObjectFormat) else "text"}
 
 
 def text_config(response_format: dict[str, Any] | None) -> dict[str, Any]:
@@ -217,156 +185,91 @@ def text_config(response_format: dict[str, Any] | None) -> dict[str, Any]:
     return {"format": {"type": "json_schema", "name": spec["name"], "schema": spec["schema"], "strict": spec["strict"]}}
 
 
-# ---- tools -----------------------------------------------------------------------------------------
-
-
 def function_tools(tools: Any) -> list[dict[str, Any]] | None:
     """Responses' flat function tools -> chat's `{"type": "function", "function": {...}}`."""
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise P.ApiError(400, "'tools' must be an array", param="tools")
-    if not tools:
-        return None
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict):
-            raise P.ApiError(400, f"{where} must be an object", param=where)
-        kind = tool.get("type")
-        if kind != "function":
-            raise P.ApiError(400, f"{where}: only function tools are supported, got type {kind!r}", param=where)
-        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-        out.append({"type": "function", "function": fn})
-    return out
+    return _chat_tools(P.typed(tools, list[M.FunctionTool] | None, "tools"))
 
 
-def _chat_tool_choice(choice: Any) -> Any:
-    """Responses' `{"type": "function", "name": N}` -> chat's `{"type": "function", "function": {"name": N}}`."""
-    if choice is None or isinstance(choice, str):
-        return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    raise P.ApiError(
-        400, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
-        param="tool_choice",
-    )  # fmt: skip
+def _chat_tools(tools: list[M.FunctionTool] | None) -> list[dict[str, Any]] | None:
+    fields = ("name", "description", "parameters", "strict")
+    chat = [{k: getattr(t, k) for k in fields if getattr(t, k) is not None} for t in tools or []]
+    return [{"type": "function", "function": fn} for fn in chat] if chat else None
 
 
 # ---- input items -----------------------------------------------------------------------------------
 
 
-def input_messages(value: Any) -> list[tuple[dict[str, Any], str]]:
+def input_messages(value: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
     """`input` -> chat messages, each with the input item it came from."""
     if isinstance(value, str):
         return [({"role": "user", "content": value}, "input")]
-    if not isinstance(value, list) or not value:
-        raise P.ApiError(400, "'input' must be a string or a non-empty array of items", param="input")
+    # A message item may leave its type out (the SDK's EasyInputMessage); a tagged union may not.
+    value = [{"type": "message", **i} if isinstance(i, dict) and "type" not in i and "role" in i else i for i in value]
     out: list[tuple[dict[str, Any], str]] = []
-    for i, item in enumerate(value):
+    for i, item in enumerate(P.typed(value, list[M.InputItem], "input")):
         where = f"input[{i}]"
-        if not isinstance(item, dict):
-            raise P.ApiError(400, f"{where} must be an object", param=where)
-        kind = item.get("type", "message" if "role" in item else None)
-        if kind == "message":
+        if isinstance(item, M.MessageItem):
             out.append((_message(item, where), where))
-        elif kind == "function_call":
-            call = _function_call(item, where)
+        elif isinstance(item, M.FunctionCallItem):
+            function = {"name": item.name, "arguments": item.arguments}
+            call = {"id": item.call_id, "type": "function", "function": function}
             last = out[-1][0] if out else None
-            if last is not None and last["role"] == "assistant" and not _has_text(last):
+            if last is not None and last["role"] == "assistant" and not last.get("content"):
                 last.setdefault("tool_calls", []).append(call)  # parallel calls: one assistant turn
             else:
                 out.append(({"role": "assistant", "content": None, "tool_calls": [call]}, where))
-        elif kind == "function_call_output":
-            out.append((_function_call_output(item, where), where))
-        elif kind == "reasoning":
-            continue  # the models served here do not reason in separate items; nothing to render
-        else:
-            raise P.ApiError(400, f"{where}: input item type {kind!r} is not supported", param=where)
+        elif isinstance(item, M.FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else _parts(item.output, f"{where}.output")
+            out.append(({"role": "tool", "tool_call_id": item.call_id, "content": output}, where))
     if not out:
         raise P.ApiError(400, "'input' holds no message", param="input")
     return out
 
 
-def _has_text(message: dict[str, Any]) -> bool:
-    return bool(message.get("content"))
+def _message(item: M.MessageItem, where: str) -> dict[str, Any]:
+    if isinstance(item.content, str):
+        return {"role": item.role, "content": item.content}
+    parts = _parts(item.content, f"{where}.content")
+    if item.role == "assistant" and all(p["type"] == "text" for p in parts):
+        return {"role": item.role, "content": "".join(p["text"] for p in parts)}
+    return {"role": item.role, "content": parts}
 
 
-_ROLES = ("user", "assistant", "system", "developer")
-
-
-def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
-    role = item.get("role")
-    if role not in _ROLES:
-        raise P.ApiError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
-    content = item.get("content")
-    if isinstance(content, str):
-        return {"role": role, "content": content}
-    if not isinstance(content, list):
-        raise P.ApiError(400, f"{where}.content must be a string or an array of parts", param=f"{where}.content")
-    parts = [_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
-    if role == "assistant" and all(p["type"] == "text" for p in parts):
-        return {"role": role, "content": "".join(p["text"] for p in parts)}
-    return {"role": role, "content": parts}
-
-
-def _part(part: Any, where: str) -> dict[str, Any]:
-    """One content part -> chat's part."""
-    if not isinstance(part, dict):
-        raise P.ApiError(400, f"{where} must be an object", param=where)
-    kind = part.get("type")
-    if kind in ("input_text", "output_text"):
-        return {"type": "text", "text": _string(part, "text", where)}
-    if kind == "refusal":
-        return {"type": "text", "text": _string(part, "refusal", where)}
-    if kind == "input_image":
-        if part.get("file_id") is not None:
-            raise P.ApiError(400, f"{where}: file_id is not supported (no Files API); send image_url", param=where)
-        return {"type": "image_url", "image_url": {"url": _string(part, "image_url", where)}}
-    if kind == "input_file":
-        if part.get("file_id") is not None:
-            raise P.ApiError(400, f"{where}: file_id is not supported (no Files API); send file_data", param=where)
-        file = {k: part[k] for k in ("file_data", "file_url", "filename") if part.get(k) is not None}
-        return {"type": "file", "file": file}
-    raise P.ApiError(400, f"{where}: content part type {kind!r} is not supported", param=where)
-
-
-def _string(obj: dict[str, Any], name: str, where: str) -> str:
-    value = obj.get(name)
-    if not isinstance(value, str):
-        raise P.ApiError(400, f"{where}.{name} must be a string", param=f"{where}.{name}")
-    return value
-
-
-def _function_call(item: dict[str, Any], where: str) -> dict[str, Any]:
-    call_id, name = _string(item, "call_id", where), _string(item, "name", where)
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": _string(item, "arguments", where)}}
-
-
-def _function_call_output(item: dict[str, Any], where: str) -> dict[str, Any]:
-    output = item.get("output")
-    if isinstance(output, list):
-        content: Any = [_part(part, f"{where}.output[{j}]") for j, part in enumerate(output)]
-    elif isinstance(output, str):
-        content = output
-    else:
-        raise P.ApiError(400, f"{where}.output must be a string or an array of parts", param=f"{where}.output")
-    return {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": content}
+def _parts(parts: list[M.Part], where: str) -> list[dict[str, Any]]:
+    """Content parts -> chat's parts."""
+    out = []
+    for j, part in enumerate(parts):
+        if isinstance(part, (M.InputText, M.OutputText)):
+            out.append({"type": "text", "text": part.text})
+        elif isinstance(part, M.Refusal):
+            out.append({"type": "text", "text": part.refusal})
+        elif part.file_id is not None:
+            send = "image_url" if isinstance(part, M.InputImage) else "file_data"
+            at = f"{where}[{j}]"
+            raise P.ApiError(400, f"{at}: file_id is not supported (no Files API); send {send}", param=at)
+        elif isinstance(part, M.InputImage):
+            if part.image_url is None:
+                raise P.ApiError(400, f"{where}[{j}].image_url must be a string", param=f"{where}[{j}].image_url")
+            out.append({"type": "image_url", "image_url": {"url": part.image_url}})
+        else:
+            file = {k: getattr(part, k) for k in ("file_data", "file_url", "filename") if getattr(part, k) is not None}
+            out.append({"type": "file", "file": file})
+    return out
 
 
 # ---- the Response object ---------------------------------------------------------------------------
 
 
-def _echo(body: dict[str, Any], instructions: str | None, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+def _echo(body: dict[str, Any], req: M.ResponsesBody, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
     choice = body.get("tool_choice")
     return {
-        "instructions": instructions,
+        "instructions": req.instructions,
         "max_output_tokens": body.get("max_output_tokens"),
         "metadata": body.get("metadata") or {},
         "parallel_tool_calls": _or(body.get("parallel_tool_calls"), True),
         "previous_response_id": body.get("previous_response_id"),
         "temperature": float(_or(body.get("temperature"), 1.0)),
-        "text": text_config(_response_format(body.get("text"))),
+        "text": text_config(_response_format(req.text)),
         "tool_choice": choice if choice is not None else ("auto" if tools else "none"),
         "tools": [{"type": "function", **t["function"]} for t in tools or []],
         "top_logprobs": body.get("top_logprobs"),

@@ -23,6 +23,7 @@ from vlm_engine import ipc
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.server import protocol as P
 from vlm_engine.server.http_common import RouteGuards, ServerState, from_engine_error, json_encoder
+from vlm_engine.server.request_models import DetokenizeBody, TokenizeChat, TokenizePrompt
 
 _UNUSED_SAMPLING = SamplingParams()  # PreprocessRequest carries one; a job never samples
 
@@ -86,41 +87,34 @@ def parse_tokenize(body: Any, served_model: str, max_images: int, max_videos: in
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise P.ApiError(400, "give either 'prompt' or 'messages'", param="prompt" if has_prompt else "messages")
-    strs = P._get(body, "return_token_strs", bool, False)
     if has_prompt:
-        prompt = P._get(body, "prompt", str)
-        special = P._get(body, "add_special_tokens", bool, True)
-        return _job("tokenize", prompt=prompt, add_special_tokens=special, return_token_strs=strs)
-    return _job("tokenize", return_token_strs=strs, **_chat_fields(body, max_images, max_videos))
+        req = P.typed(P.given(body), TokenizePrompt)
+        return _job("tokenize", prompt=req.prompt, add_special_tokens=req.add_special_tokens,
+                    return_token_strs=req.return_token_strs)  # fmt: skip
+    return _job("tokenize", **_chat_fields(P.typed(P.given(body), TokenizeChat), max_images, max_videos))
 
 
-def _chat_fields(body: dict[str, Any], max_images: int, max_videos: int) -> dict[str, Any]:
+def _chat_fields(req: TokenizeChat, max_images: int, max_videos: int) -> dict[str, Any]:
     """The chat form's fields, checked as /v1/chat/completions checks them (the worker checks the
     messages themselves, as it does for chat)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise P.ApiError(400, "'messages' must be a non-empty array", param="messages")
-    P.check_media_counts(messages, max_images, max_videos)
-    generation_prompt = P._get(body, "add_generation_prompt", bool, True)
-    if P._get(body, "continue_final_message", bool, False):
+    P.check_media_counts(req.messages, max_images, max_videos)
+    if req.continue_final_message:
         # The chat prompt a generation runs is never left open; counting one would budget a prompt
         # no request here can send.
         raise P.ApiError(400, "'continue_final_message' is not supported", param="continue_final_message")
-    tools, tool_choice = P._tools(body)  # as chat: tool_choice "none" renders no tools
+    tools, tool_choice = P.resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # as chat
     return {
-        "messages": messages,
-        "tools": tools if tool_choice.mode != "none" else None,
-        "mm_processor_kwargs": P._get(body, "mm_processor_kwargs", dict),
-        "add_generation_prompt": generation_prompt,
-        "add_special_tokens": P._get(body, "add_special_tokens", bool, False),
+        "messages": req.messages,
+        "tools": tools if tool_choice.mode != "none" else None,  # tool_choice "none" renders no tools
+        "mm_processor_kwargs": req.mm_processor_kwargs,
+        "add_generation_prompt": req.add_generation_prompt,
+        "add_special_tokens": req.add_special_tokens,
+        "return_token_strs": req.return_token_strs,
     }
 
 
 def parse_detokenize(body: Any, served_model: str) -> ipc.PreprocessRequest:
-    body = P.check_body(body, served_model)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-        raise P.ApiError(400, "'tokens' must be an array of integers", param="tokens")
+    tokens = P.parse_body(body, served_model, DetokenizeBody).tokens
     negative = next((t for t in tokens if t < 0), None)
     if negative is not None:
         raise P.ApiError(400, f"token id {negative} is outside the vocabulary", param="tokens")
