@@ -210,7 +210,8 @@ def test_runner_state_hooks_run_on_preempt_and_finish() -> None:
                 state.generator = torch.Generator()
             state.media_embeddings[0] = torch.zeros(2)
             state.draft_computed = chunk.end
-        sched.update(plan, {c.request.request_id: [SampledToken(rng.randrange(50))] for c in plan.chunks if c.samples})
+        sampled = {c.request.request_id: [SampledToken(rng.randrange(50))] for c in plan.chunks if c.samples}
+        sched.update(plan, sampled)
         sched.check_invariants()
     assert preempted, "the pool was meant to be tight enough to preempt"
     for request in requests:

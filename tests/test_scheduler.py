@@ -88,7 +88,8 @@ def run_to_completion(sched: Scheduler, runner: FakeRunner, budget: int | None =
 def new_scheduler(num_pages: int, page_size: int = 4, budget: int = 64, seqs: int = 16,
                   max_len: int | None = None, prefix: bool = True) -> tuple[Scheduler, FakeRunner]:
     pool = PagePool(num_pages, page_size, enable_prefix_cache=prefix)
-    config = SchedulerConfig(SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget), max_len or num_pages * page_size)
+    options = SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget)
+    config = SchedulerConfig(options, max_len or num_pages * page_size)
     return Scheduler(config, pool), FakeRunner(pool)
 
 
@@ -147,7 +148,8 @@ def test_chunked_prefill_respects_budget_and_splits_long_prompts() -> None:
 
 def test_without_chunked_prefill_long_prompt_is_rejected() -> None:
     pool = PagePool(100, 4)
-    sched = Scheduler(SchedulerConfig(SchedulingConfig(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=False), 400), pool)
+    options = SchedulingConfig(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=False)
+    sched = Scheduler(SchedulerConfig(options, max_model_len=400), pool)
     with pytest.raises(RequestRejected):
         sched.add_request(make_request("x", random.Random(0), 2, 40))
     assert pool.num_free == 100

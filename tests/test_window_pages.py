@@ -52,7 +52,8 @@ def make_scheduler(num_pages: int, window: int, window_pages: int, budget: int =
                    prefix_cache: bool = True) -> tuple[Scheduler, FakeWindowRunner]:
     pool = PagePool(num_pages, PS, prefix_cache)
     pages = WindowPages(PagePool(window_pages, PS, prefix_cache), window)
-    config = SchedulerConfig(SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget), num_pages * PS)
+    options = SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=budget)
+    config = SchedulerConfig(options, max_model_len=num_pages * PS)
     return Scheduler(config, pool, pages), FakeWindowRunner(pool, pages)
 
 

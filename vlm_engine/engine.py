@@ -1,9 +1,10 @@
 """The in-process engine: scheduler + model runner + prompt processing, no sockets.
 
 Tests, the batch CLI and notebooks use it directly; the server runs the same core in its own
-process. `step()` is the heartbeat: plan a batch, run it, apply the results. The pieces decide
-for themselves: the model and its kernels are wired in `models/wiring.py`, the KV pools sized in
-`cache/kv_budget.py`, and a step's tokens applied (grammars, failures, finishes) by the scheduler.
+process. `step()` is the heartbeat: plan a batch, run it, apply the results. The engine only
+assembles and steps: the model and its kernels come from `models/wiring.py`, the KV pools' sizes
+from `cache/kv_budget.py`, and the scheduler's update applies a step's tokens (grammars, requests
+that fail alone, every finish).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from typing import Any
 
 from vlm_engine import ipc
 from vlm_engine.attention.backends import create_backend
-from vlm_engine.cache.kv_budget import KVPools, size_kv_pools
+from vlm_engine.cache.kv_budget import size_kv_pools
 from vlm_engine.cache.page_pool import PagePool
 from vlm_engine.config import DEFAULT_MODEL, EngineConfig
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.kernels.cpu_isa import tier_description
 from vlm_engine.metrics.core_stats import StepRecorder, StepStats
-from vlm_engine.models.family import text_config_of
+from vlm_engine.models.family import VLModel, text_config_of
 from vlm_engine.models.registry import prompt_processor
 from vlm_engine.models.wiring import eos_token_ids, wire_model
 from vlm_engine.output_processor import OutputProcessor, RequestOutput, TokenLogprob, request_output
@@ -70,32 +71,20 @@ class Engine:
         if isinstance(model, EngineConfig) and options:
             raise TypeError("pass a ready EngineConfig or options, not both")
         self.config = model if isinstance(model, EngineConfig) else EngineConfig.from_flat(model=model, **options)
-        cache, sched = self.config.cache, self.config.scheduler
         wired = wire_model(self.config)
         self.source, self.hf_config, self.device, self.dtype = wired.source, wired.hf_config, wired.device, wired.dtype
         self.model, self.bf16_weights = wired.model, wired.bf16_weights
         self.processor = prompt_processor(self.source, self.hf_config, self.config.media)
         self.tokenizer = self.processor.tokenizer
         self.eos_token_ids = eos_token_ids(self.source, self.hf_config, self.tokenizer)
-
-        models = [self.model] if wired.draft_model is None else [self.model, wired.draft_model]
-        windows = attention_windows(self.model)
-        self.kv_pools: KVPools = size_kv_pools(*kv_token_bytes(models, self.dtype), max(windows), cache, sched, self.device)
-        num_pages, num_window_pages = self.kv_pools.num_pages, self.kv_pools.num_window_pages
-        model_len = self.config.model.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
-        self.max_model_len = min(model_len, num_pages * cache.page_size)
-        self.pool = PagePool(num_pages, cache.page_size, cache.enable_prefix_cache)
-        # Sliding-window layers' KV: a pool of its own whose pages go back as the windows move on.
-        self.window_pool = PagePool(num_window_pages, cache.page_size, cache.enable_prefix_cache) if num_window_pages else None
-        window_pages = None if self.window_pool is None else WindowPages(self.window_pool, max(windows))
-        atomic_spans = bool(getattr(self.model, "bidirectional_media", False))
-        scheduler_config = SchedulerConfig(sched, self.max_model_len, max(0, num_pages // 100), atomic_spans)
-        self.scheduler = Scheduler(scheduler_config, self.pool, window_pages)
+        self.scheduler = self._plan_kv(wired.draft_model)
+        cache, num_pages = self.config.cache, self.pool.num_pages
         backend = create_backend(self.config.model.attention_backend, self.device)
         runner_args = (self.device, self.dtype, num_pages, cache.page_size, backend)
         self.runner = ModelRunner(
-            self.model, *runner_args, cache.encoder_cache_bytes, wired.fused_ops, num_window_pages=num_window_pages
-        )
+            self.model, *runner_args, cache.encoder_cache_bytes, wired.fused_ops,
+            num_window_pages=self.kv_pools.num_window_pages,
+        )  # fmt: skip
         draft_runner = None
         if wired.draft_model is not None:
             draft_runner = ModelRunner(wired.draft_model, *runner_args, 0, wired.fused_ops, merge_media=False)
@@ -107,17 +96,36 @@ class Engine:
         self._ids = itertools.count()
         self.last_step = StepStats()
         self._recorder = StepRecorder(num_pages)
-        self._log_ready(wired.weights, backend.name, wired.fused_ops is not None)
-
-    def _log_ready(self, weights: str, backend: str, fused: bool) -> None:
         spec = self.config.speculative
         logger.info(
             "engine ready: %s, %s, %s numerics, weights %s, attention %s, fused CPU ops %s, CPU tier %s, "
             "%d KV pages x %d tokens (sliding-window layers: %d), max_model_len %d, speculative %s",
-            self.source.name, self.dtype, self.config.model.numerics, weights, backend, fused, tier_description(),
-            self.kv_pools.num_pages, self.page_size, self.kv_pools.num_window_pages, self.max_model_len,
+            self.source.name, self.dtype, self.config.model.numerics, wired.weights, backend.name,
+            wired.fused_ops is not None, tier_description(), num_pages, cache.page_size,
+            self.kv_pools.num_window_pages, self.max_model_len,
             f"{spec.speculative} k={spec.num_speculative_tokens}" if spec.speculative else "off",
         )  # fmt: skip
+
+    def _plan_kv(self, draft_model: VLModel | None) -> Scheduler:
+        """Size the KV pools (a draft model's layers share the full-attention pages) and build the
+        scheduler over them; the context is capped so that any one request fits the pool alone."""
+        cache, options = self.config.cache, self.config.scheduler
+        windows = attention_windows(self.model)
+        token_bytes = kv_token_bytes([self.model] if draft_model is None else [self.model, draft_model], self.dtype)
+        self.kv_pools = size_kv_pools(*token_bytes, max(windows), cache, options, self.device)
+        num_pages, num_window_pages = self.kv_pools.num_pages, self.kv_pools.num_window_pages
+        model_len = self.config.model.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
+        self.max_model_len = min(model_len, num_pages * cache.page_size)
+        self.pool = PagePool(num_pages, cache.page_size, cache.enable_prefix_cache)
+        # Sliding-window layers' KV: a pool of its own whose pages go back as the windows move on.
+        self.window_pool: PagePool | None = None
+        window_pages = None
+        if num_window_pages:
+            self.window_pool = PagePool(num_window_pages, cache.page_size, cache.enable_prefix_cache)
+            window_pages = WindowPages(self.window_pool, max(windows))
+        atomic_spans = bool(getattr(self.model, "bidirectional_media", False))
+        config = SchedulerConfig(options, self.max_model_len, max(0, num_pages // 100), atomic_spans)
+        return Scheduler(config, self.pool, window_pages)
 
     def kv_bytes_in_use(self) -> int:
         """KV bytes of the pages that requests hold now, in both pools."""
@@ -150,7 +158,9 @@ class Engine:
             return self.processor.from_text(prompt)
         return self.processor.from_token_ids(list(prompt))
 
-    def add_request(self, prompt: PromptInput, sampling: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: PromptInput, sampling: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue a request (a prompt already processed too: the server's core passes the worker's);
         raises ValueError (PromptError, RequestRejected, StructuredOutputError) for input that can
         never run, before anything is allocated."""
@@ -175,13 +185,10 @@ class Engine:
         finished, in order."""
         if not stop_string:
             return self._forget_text(self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED))
-        stopped = []
-        for request_id in request_ids:
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:  # else unknown, or its own finish came first
-                self.scheduler.end_at_stop_string(request)
-                stopped.append(request)
-        return self._forget_text(stopped)
+        live = [r for r in map(self.scheduler.requests.get, dict.fromkeys(request_ids)) if r is not None]
+        for request in live:  # not the unknown ones, nor those whose own finish came first
+            self.scheduler.end_at_stop_string(request)
+        return self._forget_text(live)
 
     def fail_batch(self, plan: SchedulerOutput) -> list[Request]:
         """The forward pass of `plan` failed (`StepFailed.plan`): abort that batch's requests,
@@ -212,12 +219,9 @@ class Engine:
     # ---- one step: schedule -> execute -> update ---------------------------------------------
 
     def step_tokens(self) -> TokenStep | None:
-        """Plan a batch, run it, apply its sampled tokens; None when nothing could be scheduled.
-
-        The one token-level step, shared by `step()` and the server's engine core; the scheduler's
-        update applies the tokens (grammars advance there) and decides every finish. Raises
-        StepFailed if the forward pass fails (the caller decides: `fail_batch`).
-        """
+        """The one token-level step (`step()`'s and the server core's): plan, run, and apply the tokens
+        (the scheduler's update: grammars, failures, every finish); None when nothing could be
+        scheduled. StepFailed if the forward pass raises (the caller decides: `fail_batch`)."""
         t0 = time.perf_counter()
         if self.speculator is not None:
             self.speculator.begin_step(len(self.scheduler.running))
@@ -280,18 +284,8 @@ class Engine:
         """The engine's numbers in one record: counters over the steps recorded since the last
         `reset_counters()`, gauges as they are now. The record is live: encode or copy it before
         the next step."""
-        s = self._recorder.stats
-        pool, sched, media = self.pool, self.scheduler, self.runner.encoder_cache
-        s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
-        s.running, s.waiting = len(sched.running), len(sched.waiting)
-        s.prompt_tokens = sched.num_prompt_tokens
-        s.prefix_cache_queries, s.cached_prompt_tokens = sched.num_prefix_queries, sched.num_prefix_hits
-        s.mm_cache_hits, s.mm_cache_queries = media.hits, media.hits + media.misses
-        if self.speculator is not None:
-            spec = self.speculator.stats
-            s.spec_drafts, s.spec_draft_tokens = spec.num_drafts, spec.num_draft_tokens
-            s.spec_accepted_tokens = spec.num_accepted_tokens
-        return s
+        speculation = None if self.speculator is None else self.speculator.stats
+        return self._recorder.snapshot(self.scheduler, self.runner.encoder_cache, speculation)
 
     def reset_counters(self) -> None:
         """Start every counter from zero (the server does after its warm-up): steps, admissions and

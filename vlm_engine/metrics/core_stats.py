@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING
 from vlm_engine import ipc
 
 if TYPE_CHECKING:
+    from vlm_engine.cache.encoder_cache import EncoderCache
     from vlm_engine.runner.model_runner import RunnerOutput
-    from vlm_engine.scheduler.scheduler import SchedulerOutput
+    from vlm_engine.scheduler.scheduler import Scheduler, SchedulerOutput
+    from vlm_engine.speculative.speculator import SpeculationStats
 
 
 @dataclass
@@ -101,3 +103,20 @@ class StepRecorder:
             s.step_spec_propose_s.observe(step.propose_s)
             for length in spec_lengths:
                 s.spec_acceptance_length.observe(length)
+
+    def snapshot(
+        self, scheduler: Scheduler, encoder_cache: EncoderCache, speculation: SpeculationStats | None
+    ) -> ipc.CoreStats:
+        """The counters with the gauges filled in as they are now (pages, queues, caches). The
+        record is live: encode or copy it before the next step."""
+        s = self.stats
+        pool = scheduler.pool
+        s.pages_used, s.pages_cached = pool.num_used, pool.num_cached
+        s.running, s.waiting = len(scheduler.running), len(scheduler.waiting)
+        s.prompt_tokens = scheduler.num_prompt_tokens
+        s.prefix_cache_queries, s.cached_prompt_tokens = scheduler.num_prefix_queries, scheduler.num_prefix_hits
+        s.mm_cache_hits, s.mm_cache_queries = encoder_cache.hits, encoder_cache.hits + encoder_cache.misses
+        if speculation is not None:
+            s.spec_drafts, s.spec_draft_tokens = speculation.num_drafts, speculation.num_draft_tokens
+            s.spec_accepted_tokens = speculation.num_accepted_tokens
+        return s

@@ -30,6 +30,8 @@ from vlm_engine.models.registry import (
 
 @dataclass(frozen=True)
 class WiredModel:
+    """The loaded models and the choices made on the way, which the runner and the log need."""
+
     source: ModelSource
     hf_config: Any
     device: torch.device
@@ -65,10 +67,10 @@ def wire_model(config: EngineConfig) -> WiredModel:
     bf16_weights = panel_ops is not None and cpu_bf16_weights(dtype_choice, dtype, device)
     prepack = fast and cfg.prepack_weights
 
-    def build(source: ModelSource, hf_config: Any, quantization: str | None) -> VLModel:
+    def build(checkpoint: ModelSource, checkpoint_config: Any, quantization: str | None) -> VLModel:
         quant_ops = (fused or load_fused_ops()) if quantization else None
         return build_model(
-            source, hf_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights
+            checkpoint, checkpoint_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights
         )  # fmt: skip
 
     model = build(source, hf_config, cfg.quantization)

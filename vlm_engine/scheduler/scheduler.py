@@ -116,7 +116,9 @@ class SchedulerOutput:
     def num_decode_tokens(self) -> int:
         """Tokens of decoding chunks (past their prompt, one known token), drafts included."""
         return sum(
-            c.num_tokens for c in self.chunks if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
+            c.num_tokens
+            for c in self.chunks
+            if c.num_tokens - len(c.draft) == 1 and c.start >= c.request.num_prompt_tokens
         )
 
     @property
@@ -473,7 +475,8 @@ class Scheduler:
         for chunk in out.chunks:
             request = chunk.request
             if request.request_id in request_ids and not request.status.finished:
-                logger.error("request %s: the model's logits were not finite (NaN or inf); aborting it", request.request_id)
+                rid = request.request_id
+                logger.error("request %s: the model's logits were not finite (NaN or inf); aborting it", rid)
                 failed.append((request, NONFINITE_LOGITS))
         return failed
 
