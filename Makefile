@@ -60,7 +60,7 @@ test-fast: $(STAMP) system-packages fuzz-corpus
 	$(BIN)/python -m pytest -m "not slow and not ray" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/engine_throughput.py
+	$(BIN)/python benchmarks/inproc.py decode
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -34,35 +34,15 @@ class SSEEvent:
     data: dict[str, Any] | None = None
 
 
-class SSEParser:
-    """Turns SSE lines into events. Only `data:` fields matter for the OpenAI protocol; multi-line
-    data fields are joined, comments (`:`) and other fields are ignored."""
-
-    def __init__(self) -> None:
-        self._data: list[str] = []
-
-    def feed_line(self, line: str) -> SSEEvent | None:
-        line = line.rstrip("\r\n")
-        if line == "":
-            return self._flush()
-        if line.startswith(":"):
-            return None
-        name, _, value = line.partition(":")
-        if name != "data":
-            return None
-        self._data.append(value.removeprefix(" "))
-        # Servers put one JSON object per data line; emit at once rather than waiting for the
-        # blank line, so a chunk is timestamped when its bytes arrive.
-        return self._flush()
-
-    def _flush(self) -> SSEEvent | None:
-        if not self._data:
-            return None
-        text = "\n".join(self._data)
-        self._data = []
-        if text.strip() == "[DONE]":
-            return SSEEvent(done=True)
-        return SSEEvent(data=json.loads(text))
+def sse_event(line: str) -> SSEEvent | None:
+    """The event an SSE line carries: only `data:` fields matter for the OpenAI protocol (comments, other fields
+    and blank lines carry none). Servers put one JSON object per data line, so each is an event at once, not at
+    the blank line after it: a chunk is timestamped when its bytes arrive."""
+    name, _, value = line.rstrip("\r\n").partition(":")
+    if name != "data":
+        return None
+    text = value.removeprefix(" ")
+    return SSEEvent(done=True) if text.strip() == "[DONE]" else SSEEvent(data=json.loads(text))
 
 
 async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
@@ -80,11 +60,7 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
 
 
 def parse_sse_lines(lines: Iterable[str]) -> Iterator[SSEEvent]:
-    parser = SSEParser()
-    for line in lines:
-        event = parser.feed_line(line)
-        if event is not None:
-            yield event
+    return (event for line in lines if (event := sse_event(line)) is not None)
 
 
 def chunk_content(chunk: dict[str, Any]) -> str:
@@ -175,18 +151,12 @@ class RequestRecord:
 
 
 async def send_request(
-    client: httpx.AsyncClient,
-    url: str,
-    req: BenchRequest,
-    t0: float,
-    timeout_s: float,
-    record: RequestRecord,
-    headers: dict[str, str] | None = None,
+    client: httpx.AsyncClient, url: str, req: BenchRequest, t0: float, timeout_s: float, record: RequestRecord
 ) -> RequestRecord:
     """Stream one chat completion into `record` (times relative to `t0`); never raises."""
     record.start_s = time.perf_counter() - t0
     try:
-        await asyncio.wait_for(_stream(client, url, req, t0, record, headers), timeout_s)
+        await asyncio.wait_for(_stream(client, url, req, t0, record), timeout_s)
     except TimeoutError:
         record.error = f"timeout after {timeout_s:.0f} s"
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
@@ -197,23 +167,15 @@ async def send_request(
     return record
 
 
-async def _stream(
-    client: httpx.AsyncClient,
-    url: str,
-    req: BenchRequest,
-    t0: float,
-    record: RequestRecord,
-    headers: dict[str, str] | None,
-) -> None:
-    async with client.stream("POST", url, json=req.payload, headers=headers) as response:
+async def _stream(client: httpx.AsyncClient, url: str, req: BenchRequest, t0: float, record: RequestRecord) -> None:
+    async with client.stream("POST", url, json=req.payload) as response:
         record.status = response.status_code
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")
             record.error = f"HTTP {response.status_code}: {body[:300]}"
             return
-        parser = SSEParser()
         async for line in sse_lines(response):
-            event = parser.feed_line(line)
+            event = sse_event(line)
             if event is None:
                 continue
             if event.done:
@@ -279,9 +241,9 @@ class LoadPoint:
         return f"c={int(self.value)}" if self.mode == "closed" else f"rate={self.value:g}/s"
 
 
-def _client(limit: int, timeout_s: float) -> httpx.AsyncClient:
+def _client(limit: int, timeout_s: float, headers: dict[str, str] | None) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0), headers=headers)
 
 
 async def run_point(
@@ -294,47 +256,40 @@ async def run_point(
 ) -> tuple[list[RequestRecord], float]:
     """Run one load point; returns the records (in index order) and the wall duration (first send
     to last completion)."""
-    if point.mode == "closed":
-        records = await _closed_loop(url, build, point, first_index, headers)
-    elif point.mode == "open":
-        records = await _open_loop(url, build, point, seed, first_index, headers)
-    else:
+    if point.mode not in ("closed", "open"):
         raise ValueError(f"unknown mode {point.mode!r}")
+    closed = point.mode == "closed"
+    limit = max(1, int(point.value)) if closed else point.max_inflight
+    async with _client(limit, point.request_timeout_s, headers) as client:
+        if closed:
+            records = await _closed_loop(client, url, build, point, first_index)
+        else:
+            records = await _open_loop(client, url, build, point, seed, first_index)
     records.sort(key=lambda r: r.index)
-    if not records:
-        return records, 0.0
-    return records, max(r.end_s for r in records) - min(r.start_s for r in records)
+    return records, (max(r.end_s for r in records) - min(r.start_s for r in records)) if records else 0.0
 
 
 async def _closed_loop(
-    url: str, build: Callable[[int], BenchRequest], point: LoadPoint, first_index: int, headers: dict[str, str] | None
+    client: httpx.AsyncClient, url: str, build: Callable[[int], BenchRequest], point: LoadPoint, first_index: int
 ) -> list[RequestRecord]:
-    concurrency = max(1, int(point.value))
     records: list[RequestRecord] = []
     next_index = iter(range(first_index, first_index + point.num_requests))
     t0 = time.perf_counter()
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
         for i in next_index:  # shared iterator: each index is taken by exactly one worker
             if time.perf_counter() - t0 > point.max_duration_s:
                 return
             req = build(i)
             record = RequestRecord(i, req.media, req.output_tokens, scheduled_s=time.perf_counter() - t0)
-            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record, headers))
+            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record))
 
-    async with _client(concurrency, point.request_timeout_s) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(max(1, int(point.value)))))
     return records
 
 
-async def _open_loop(
-    url: str,
-    build: Callable[[int], BenchRequest],
-    point: LoadPoint,
-    seed: int,
-    first_index: int,
-    headers: dict[str, str] | None,
-) -> list[RequestRecord]:
+async def _open_loop(client: httpx.AsyncClient, url: str, build: Callable[[int], BenchRequest], point: LoadPoint,
+                     seed: int, first_index: int) -> list[RequestRecord]:  # fmt: skip
     arrivals = poisson_arrivals(point.value, point.num_requests, seed)
     # Build payloads (images, base64) before the clock starts: the arrival times must not slip.
     built = [build(first_index + k) for k in range(point.num_requests)]
@@ -342,21 +297,20 @@ async def _open_loop(
     inflight = asyncio.Semaphore(point.max_inflight)
     t0 = time.perf_counter()
 
-    async def one(client: httpx.AsyncClient, req: BenchRequest, at: float) -> None:
+    async def one(req: BenchRequest, at: float) -> None:
         async with inflight:
             record = RequestRecord(req.index, req.media, req.output_tokens, scheduled_s=at)
-            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record, headers))
+            records.append(await send_request(client, url, req, t0, point.request_timeout_s, record))
 
-    async with _client(point.max_inflight, point.request_timeout_s) as client:
-        tasks = []
-        for req, at in zip(built, arrivals):
-            if at > point.max_duration_s:
-                break
-            delay = at - (time.perf_counter() - t0)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(client, req, at)))
-        await asyncio.gather(*tasks)
+    tasks = []
+    for req, at in zip(built, arrivals):
+        if at > point.max_duration_s:
+            break
+        delay = at - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(req, at)))
+    await asyncio.gather(*tasks)
     return records
 
 
@@ -367,9 +321,9 @@ async def probe(
     url: str, req: BenchRequest, timeout_s: float = 300.0, headers: dict[str, str] | None = None
 ) -> RequestRecord:
     """Send one request alone (warm-up, or a capability check such as video support)."""
-    async with _client(1, timeout_s) as client:
+    async with _client(1, timeout_s, headers) as client:
         record = RequestRecord(req.index, req.media, req.output_tokens)
-        return await send_request(client, url, req, time.perf_counter(), timeout_s, record, headers)
+        return await send_request(client, url, req, time.perf_counter(), timeout_s, record)
 
 
 def served_model_id(base_url: str, headers: dict[str, str] | None = None) -> str | None:

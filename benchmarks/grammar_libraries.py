@@ -1,19 +1,14 @@
-"""Grammar libraries for structured output: llguidance vs xgrammar, on CPU.
+"""Grammar libraries for structured output, llguidance against xgrammar on CPU (`inproc.py grammar`).
 
-For each library and vocabulary: tokenizer-info build time; per schema of
-`testkit.json_schemas.SCHEMAS` the compile time (cold, and cached where the library
-has a cache), coverage (compiled OK / example instance accepted end to end / invalid instances
-rejected), plus the regexes in REGEXES; the bitmask fill time per token while a matcher is driven
-through the tokens of a valid instance (median, p95); and the batched fill at batch 32 and 64
-(matchers at different positions, each library's parallel batch API).
+For each library and vocabulary: the tokenizer-info build time; per schema of `testkit.json_schemas.SCHEMAS` the
+compile time (cold, and cached where the library has a cache) and coverage (compiled / example instance accepted
+end to end / invalid instances rejected), plus the regexes of REGEXES; the bitmask fill time per token while a
+matcher is driven through a valid instance's tokens (median, p95); and the batched fill at batch 32 and 64
+(matchers at different positions, each library's parallel batch API). Needs the bench extra (xgrammar, jsonschema).
 
-    .venv/bin/pip install llguidance xgrammar jsonschema
-    .venv/bin/python benchmarks/grammar_libraries.py --vocab all --repeats 3 [--json out.json]
-
-Vocabularies: smollm2 (SmolLM2-135M, 49,152, from the shipped GGUF), qwen2-tiny (the random
-Qwen2-VL test checkpoint, 2,048), synthetic-151k (SmolLM2's byte-level BPE extended with merges
-of its own tokens to 151,646 tokens, mask width 151,936 like Qwen2: a stand-in for the mask cost
-only, not Qwen2's real vocabulary).
+Vocabularies: smollm2 (SmolLM2-135M, 49,152, from the shipped GGUF), qwen2-tiny (the random Qwen2-VL test
+checkpoint, 2,048), synthetic-151k (SmolLM2's byte-level BPE extended with merges of its own tokens to 151,646
+tokens, mask width 151,936 like Qwen2: a stand-in for the mask cost only, not Qwen2's real vocabulary).
 """
 
 from __future__ import annotations
@@ -22,16 +17,13 @@ import argparse
 import gc
 import importlib.metadata
 import json
-import math
-import os
 import random
 import statistics
-import sys
 import time
+from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import stats as S
 import torch
 
 from testkit.json_schemas import EXAMPLES, REGEXES, SCHEMAS
@@ -59,25 +51,9 @@ PROBES: list[tuple[str, Any]] = [
 ]
 
 
-def cpu_summary() -> str:
-    model, flags = "unknown", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and model == "unknown":
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    avx512 = sorted(f for f in flags if f.startswith("avx512"))
-    return (f"CPU: {model}, {os.cpu_count()} logical cores; avx2={'avx2' in flags}, "
-            f"avx512={'yes (' + ' '.join(avx512) + ')' if avx512 else 'no'}, fma={'fma' in flags}")
-
-
 def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+    """The nearest-rank quantile (the sample at rank round(q * (n - 1)))."""
+    return sorted(xs)[round(q * (len(xs) - 1))]
 
 
 def compact(obj: Any) -> str:
@@ -346,57 +322,36 @@ def bench_library(lib_cls: type, tok: Any, vocab_size: int, eos: int, repeats: i
 # ------------------------------------------------------------------ report
 
 
-def fmt(x: float, nd: int = 2) -> str:
-    return "n/a" if math.isnan(x) else f"{x:,.{nd}f}"
-
-
-def report(results: dict[str, list[dict]]) -> None:
-    print("\n## Summary (CPU; times are medians unless p95)\n")
-    cols = ["vocab", "library", "tok-info ms", "compiled", "example ok", "invalid rejected", "regex ok",
+def report(results: dict[str, list[dict]]) -> list[str]:
+    nan = float("nan")
+    head = ["vocab", "library", "tok-info ms", "compiled", "example ok", "invalid rejected", "regex ok",
             "cold compile med / max ms", "cached ms", "time-to-1st-mask med ms", "mask/token med / p95 µs",
-            "batch32 med / p95 ms", "batch64 med / p95 ms"]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
+            "batch32 med / p95 ms", "batch64 med / p95 ms"]  # fmt: skip
+    rows = []
     for vocab, rs in results.items():
         for r in rs:
             s = r["schemas"]
-            cold = [v["cold_ms"] for v in s.values()] or [float("nan")]
-            warm = [v["warm_ms"] for v in s.values()] or [float("nan")]
-            ttfm = [v["ttfm_ms"] for v in s.values()] or [float("nan")]
-            print(f"| {vocab} | {r['library']} {r['version']} | {fmt(r['info_ms'], 0)} | {len(s)}/{len(SCHEMAS)} "
-                  f"| {len(s) - len(r['not_accepted'])}/{len(s)} | {r['probes_rejected']}/{r['probes_run']} "
-                  f"| {len(REGEXES) - len(r['regex_fail'])}/{len(REGEXES)} "
-                  f"| {fmt(statistics.median(cold))} / {fmt(max(cold))} | {fmt(statistics.median(warm), 3)} "
-                  f"| {fmt(statistics.median(ttfm))} | {fmt(r['mask_med_us'], 1)} / {fmt(r['mask_p95_us'], 1)} "
-                  f"| {fmt(r.get('b32_med_ms', float('nan')))} / {fmt(r.get('b32_p95_ms', float('nan')))} "
-                  f"| {fmt(r.get('b64_med_ms', float('nan')))} / {fmt(r.get('b64_p95_ms', float('nan')))} |")
+            cold, warm, ttfm = ([v[k] for v in s.values()] or [nan] for k in ("cold_ms", "warm_ms", "ttfm_ms"))
+            rows.append([vocab, f"{r['library']} {r['version']}", S.fmt(r["info_ms"], 0), f"{len(s)}/{len(SCHEMAS)}",
+                         f"{len(s) - len(r['not_accepted'])}/{len(s)}", f"{r['probes_rejected']}/{r['probes_run']}",
+                         f"{len(REGEXES) - len(r['regex_fail'])}/{len(REGEXES)}",
+                         f"{S.fmt(statistics.median(cold))} / {S.fmt(max(cold))}", S.fmt(statistics.median(warm), 3),
+                         S.fmt(statistics.median(ttfm)), f"{S.fmt(r['mask_med_us'], 1)} / {S.fmt(r['mask_p95_us'], 1)}",
+                         *(f"{S.fmt(r.get(f'b{b}_med_ms', nan))} / {S.fmt(r.get(f'b{b}_p95_ms', nan))}" for b in BATCH_SIZES)])  # fmt: skip
+    lines = ["## Summary (CPU; times are medians unless p95)", "", *S.md_table(head, rows)]
     for vocab, rs in results.items():
-        print(f"\n### Cold compile ms per schema, {vocab} (time-to-first-mask in parentheses)\n")
-        print("| schema | " + " | ".join(r["library"] for r in rs) + " |")
-        print("|---|" + "---|" * len(rs))
-        for name in SCHEMAS:
-            cells = []
-            for r in rs:
-                v = r["schemas"].get(name)
-                cells.append(f"{fmt(v['cold_ms'])} ({fmt(v['ttfm_ms'])})" if v else "FAILED")
-            print(f"| {name} | " + " | ".join(cells) + " |")
+        lines += ["", f"### Cold compile ms per schema, {vocab} (time-to-first-mask in parentheses)", ""]
+        cells = lambda v: f"{S.fmt(v['cold_ms'])} ({S.fmt(v['ttfm_ms'])})" if v else "FAILED"  # noqa: E731
+        lines += S.md_table(["schema", *(r["library"] for r in rs)], [[n, *(cells(r["schemas"].get(n)) for r in rs)] for n in SCHEMAS])
         for r in rs:
             for what, d in (("compile failure", r["failures"]), ("example not accepted", r["not_accepted"]),
-                            ("regex failure", r["regex_fail"])):
-                for name, err in d.items():
-                    print(f"- {r['library']} {what}: `{name}`: {err}")
+                            ("regex failure", r["regex_fail"])):  # fmt: skip
+                lines += [f"- {r['library']} {what}: `{name}`: {err}" for name, err in d.items()]
+    return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", default="all", choices=["smollm2", "qwen2-tiny", "synthetic-151k", "all"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="batch/compile threads, both libs")
-    ap.add_argument("--library", default="all", choices=["llguidance", "xgrammar", "all"])
-    ap.add_argument("--json", help="also write the raw results here")
-    args = ap.parse_args()
-    print(cpu_summary())
-    print(f"torch {torch.__version__}, threads={args.threads}, repeats={args.repeats}, schemas={len(SCHEMAS)}")
+def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """llguidance against xgrammar: compile times, coverage, mask fill per token and batched (inproc.py grammar)."""
     from jsonschema import Draft202012Validator, FormatChecker
 
     for name, schema in SCHEMAS.items():
@@ -417,11 +372,6 @@ def main() -> None:
             t0 = time.perf_counter()
             results[label].append(bench_library(lib, tok, vocab_size, eos, args.repeats, args.threads))
             print(f"  {lib.name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
-    report(results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cpu": cpu_summary(), "results": results}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    print(f"torch {torch.__version__}, threads={args.threads}, repeats={args.repeats}, schemas={len(SCHEMAS)}")
+    print("\n".join(report(results)))
+    return {"results": results}

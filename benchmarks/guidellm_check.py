@@ -1,32 +1,17 @@
-"""Cross-check our harness against guidellm (an independent client): same server, same requests
-(the same prompt texts and output lengths, in the same order), closed loop at concurrency C,
-N requests, run one after the other (or, with --simultaneous, both at once); prints TTFT / ITL /
-throughput side by side with the % difference (target: within 10%).
+"""Cross-check our client against guidellm (an independent one): the same server, the same requests (one list
+per repetition, given to guidellm as a JSONL file), closed loop at --concurrency, one client after the other in
+ABBA order (or, with --simultaneous, both at once); prints each metric side by side with the % difference
+(target: within 10%) and our server's step counters per run. Why it is set up this way and what it found:
+benchmarks/README.md, "guidellm agreement".
 
     python3.11 -m venv benchmarks/.guidellm-venv
     benchmarks/.guidellm-venv/bin/pip install "guidellm[vision]==0.8.1" "torch==2.13.0+cpu"
     .venv/bin/python benchmarks/guidellm_check.py                  # starts our server on SmolLM2
     .venv/bin/python benchmarks/guidellm_check.py --base-url http://127.0.0.1:8000 --model-dir DIR
 
-Same requests: each repetition builds N requests with our workload code (a plain user message of
-~P tokens, an output length drawn from --output-tokens), sends them with our client, and gives
-guidellm the same list as a JSONL file (`prompt`, `output_tokens_count`), so neither client's
-prompt generator differs and guidellm does not synthesise prompts (with a tokenizer, in a worker
-process) while it measures. Output lengths vary by default: with one fixed length, a closed loop
-runs in lock-step waves, and whether a wave's prefills land inside the previous requests' decode
-depends on each client's start-up jitter of a few ms (measured: guidellm starts its first stream
-~15 ms before the other three; our engine prefills that one alone, then folds the other three's
-prefill into its decode, and its ITL reads 50 ms instead of 30 ms), which is client timing, not
-a measurement difference.
-
-Metric definitions follow guidellm's: per-request ITL = (last token - first token) / (output - 1),
-its mean and median weighted by (output - 1); medians take the first value whose cumulative
-weight reaches 0.5; throughput = completed requests (tokens) / wall time. guidellm sends
-`ignore_eos` and `max_completion_tokens` (output lengths are fixed on servers that honour them);
-ours sends `ignore_eos` and `max_tokens`. Our server's /metrics counters (steps and forward time
-per step) are recorded for each run, so a client that slows the server it measures shows up.
-On this 2-vCPU machine guidellm does (the server's decode steps run 8-11% slower while it runs on
-the other core); --simultaneous makes both clients measure the same server steps instead.
+Metric definitions follow guidellm's: per-request ITL = (last token - first token) / (output - 1), its mean and
+median weighted by (output - 1), medians the first value whose cumulative weight reaches 0.5; throughput =
+completed requests (tokens) / wall time.
 """
 
 from __future__ import annotations
@@ -37,7 +22,6 @@ import functools
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -51,22 +35,22 @@ import numpy as np
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import client as C
-import roofline as R
-import serve_bench as SB
+import models
 import peers
+import serve_bench as SB
 import stats as S
 import workloads as W
 
 BENCH = Path(__file__).resolve().parent
 GUIDELLM = BENCH / ".guidellm-venv" / "bin" / "guidellm"
+COMPARED = ("ttft_mean_ms", "ttft_p50_ms", "itl_mean_ms", "itl_p50_ms", "requests_per_s", "output_tokens_per_s",
+            "prompt_tokens_mean", "output_tokens_mean")  # fmt: skip
+NORMALIZED = ("itl_mean_per_step", "output_tokens_per_step")
 
 
 def build_requests(model: str, model_dir: str, args: argparse.Namespace, first_index: int) -> list[W.BenchRequest]:
-    # "agent" with the shared prefix removed = one plain user message of ~P tokens, like guidellm's
-    # synthetic_text; the fixed instruction head counts towards P.
-    spec = W.workload_spec(
-        "agent", shared_prefix_tokens=0, user_tokens=args.prompt_tokens, output_tokens=args.output_tokens
-    )
+    # "agent" without its shared prefix: one plain user message of ~P tokens (the instruction head counts).
+    spec = W.workload_spec("agent", shared_prefix_tokens=0, user_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
     factory = W.RequestFactory(W.text_only(spec), model, "vlm-engine", args.seed, SB.load_tokenizer(model_dir))
     return [factory.build(first_index + k) for k in range(args.num_requests)]
 
@@ -80,99 +64,70 @@ def write_guidellm_data(requests: list[W.BenchRequest], path: Path) -> None:
             f.write(json.dumps({"prompt": message["content"], "output_tokens_count": r.output_tokens}) + "\n")
 
 
-lower_quantile = S.lower_quantile  # guidellm's percentile
-
-
 def server_counters(base_url: str) -> dict[str, float]:
     return C.scrape_metrics(base_url) or {}
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Steps and forward ms per step while one client ran (NaN for servers without our counters)."""
-    steps = after.get("vlm_engine:engine_steps_total", math.nan) - before.get("vlm_engine:engine_steps_total", math.nan)
-    forward = after.get("vlm_engine:step_forward_seconds_sum", math.nan) - before.get(
-        "vlm_engine:step_forward_seconds_sum", math.nan
-    )
-    return {"server_steps": steps, "server_forward_ms_per_step": 1000 * forward / steps if steps else math.nan}
+    d = {k: after.get(f"vlm_engine:{k}", math.nan) - before.get(f"vlm_engine:{k}", math.nan)
+         for k in ("engine_steps_total", "step_forward_seconds_sum")}  # fmt: skip
+    steps = d["engine_steps_total"]
+    return {"server_steps": steps, "server_forward_ms_per_step": 1000 * d["step_forward_seconds_sum"] / steps if steps else math.nan}
+
+
+def normalized(run: dict[str, float]) -> dict[str, float]:
+    """Latency and throughput in units of the server's own step time in that run: what is left of a client
+    difference once the server's speed during each client's run is taken out."""
+    step_ms = run["server_forward_ms_per_step"]
+    return {"itl_mean_per_step": run["itl_mean_ms"] / step_ms, "output_tokens_per_step": run["output_tokens_per_s"] * step_ms / 1000}
+
+
+def with_counters(result: dict[str, float], counters: dict[str, float], client_cpu_s: float) -> dict[str, float]:
+    result |= counters | {"client_cpu_s": client_cpu_s}
+    return result | normalized(result)
 
 
 def run_with_counters(base_url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
-    """One client run plus what happened around it: our server's step counters, and the client's
-    CPU seconds (this process for our client, its child process for guidellm)."""
+    """One client run plus our server's step counters around it and the client's CPU seconds (this process for
+    our client, its finished child for guidellm)."""
     before, cpu_before = server_counters(base_url), _client_cpu_s()
     result = run()
-    add_server_counters(result, counter_delta(before, server_counters(base_url)))
-    result["client_cpu_s"] = _client_cpu_s() - cpu_before
-    return result
-
-
-def add_server_counters(result: dict[str, float], counters: dict[str, float]) -> None:
-    result.update(counters)
-    result.update(normalized(result))
+    return with_counters(result, counter_delta(before, server_counters(base_url)), _client_cpu_s() - cpu_before)
 
 
 def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Namespace) -> dict[str, float]:
     by_index = {r.index: r for r in requests}
-    point = C.LoadPoint("closed", args.concurrency, len(requests), args.max_duration, args.request_timeout)
+    point = C.LoadPoint("closed", args.concurrency, len(requests), args.max_duration, args.max_duration)
     url = base_url.rstrip("/") + "/v1/chat/completions"
     records, duration = asyncio.run(C.run_point(url, by_index.__getitem__, point, args.seed, requests[0].index))
     s = S.summarize(records, duration)
-    ok = [r for r in records if r.ok and r.ttft is not None]
-    ttft_ms = [1000 * r.ttft for r in ok]
-    itl = [(1000 * r.decode_itl, r.output_tokens - 1) for r in ok if r.decode_itl is not None]
-    itl_ms, itl_weights = [v for v, _ in itl], [w for _, w in itl]
+    ttft_ms = [1000 * r.ttft for r in records if r.ok and r.ttft is not None]
+    itl = [(1000 * r.decode_itl, r.output_tokens - 1) for r in records if r.ok and r.decode_itl is not None]
+    itl_ms, weights = [v for v, _ in itl], [w for _, w in itl]
     return {
-        "ttft_mean_ms": 1000 * s.ttft.mean,
-        "ttft_p50_ms": lower_quantile(ttft_ms, [1.0] * len(ttft_ms), 0.5),
-        "itl_mean_ms": float(np.average(itl_ms, weights=itl_weights)) if itl else math.nan,
-        "itl_p50_ms": lower_quantile(itl_ms, itl_weights, 0.5),
-        "tpot_mean_ms": 1000 * s.tpot.mean,
-        "tpot_p50_ms": 1000 * s.tpot.p50,
-        "chunk_itl_mean_ms": 1000 * s.itl.mean,
-        "chunk_itl_p50_ms": 1000 * s.itl.p50,
-        "requests_per_s": s.request_throughput,
-        "output_tokens_per_s": s.output_throughput,
-        "prompt_tokens_mean": s.mean_prompt_tokens,
-        "output_tokens_mean": s.mean_output_tokens,
-        "errors": s.num_errors,
-    }
+        "ttft_mean_ms": 1000 * s.ttft.mean, "ttft_p50_ms": S.lower_quantile(ttft_ms, [1.0] * len(ttft_ms), 0.5),
+        "itl_mean_ms": float(np.average(itl_ms, weights=weights)) if itl else math.nan,
+        "itl_p50_ms": S.lower_quantile(itl_ms, weights, 0.5), "tpot_mean_ms": 1000 * s.tpot.mean,
+        "tpot_p50_ms": 1000 * s.tpot.p50, "chunk_itl_mean_ms": 1000 * s.itl.mean, "chunk_itl_p50_ms": 1000 * s.itl.p50,
+        "requests_per_s": s.request_throughput, "output_tokens_per_s": s.output_throughput,
+        "prompt_tokens_mean": s.mean_prompt_tokens, "output_tokens_mean": s.mean_output_tokens, "errors": s.num_errors,
+    }  # fmt: skip
 
 
-def start_guidellm(
-    base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace, out_json: Path
-) -> subprocess.Popen[bytes]:
-    cmd = [
-        str(args.guidellm),
-        "run",
-        "--backend",
-        f"kind=openai_http,target={base_url},model={model}",
-        "--tokenizer",
-        f"kind=huggingface_auto,model={model_dir}",
-        "--profile",
-        f"kind=concurrent,streams={args.concurrency}",
-        "--constraint",
-        f"kind=max_requests,count={args.num_requests}",
-        "--constraint",
-        f"kind=max_duration,seconds={args.max_duration}",
-        "--data",
-        f"kind=json_file,path={data}",
-        "--seed",
-        f"kind=static,value={args.seed}",
-        "--output",
-        f"kind=json,path={out_json}",
-        "--disable-console-interactive",
-    ]
+def start_guidellm(base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace,
+                   out_json: Path) -> subprocess.Popen[bytes]:  # fmt: skip
+    cmd = [str(args.guidellm), "run", "--backend", f"kind=openai_http,target={base_url},model={model}",
+           "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--profile", f"kind=concurrent,streams={args.concurrency}",
+           "--constraint", f"kind=max_requests,count={args.num_requests}",
+           "--constraint", f"kind=max_duration,seconds={args.max_duration}", "--data", f"kind=json_file,path={data}",
+           "--seed", f"kind=static,value={args.seed}", "--output", f"kind=json,path={out_json}",
+           "--disable-console-interactive"]  # fmt: skip
     print("$ " + " ".join(cmd), flush=True)
-    env = {
-        # guidellm starts one worker process per concurrent stream by default; on 2 cores those
-        # processes compete with the server they measure (measured: ITL +30%, throughput -35%
-        # against our one-event-loop client). One worker runs all streams on one asyncio loop.
-        "GUIDELLM__MAX_WORKER_PROCESSES": str(args.guidellm_workers),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PATH": "/usr/bin:/bin",
-    }
+    # One worker process runs all streams on one asyncio loop: one per stream (guidellm's default) competes with
+    # the server on 2 cores (measured: ITL +30%, throughput -35% against our one-loop client).
+    env = {"GUIDELLM__MAX_WORKER_PROCESSES": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "PATH": "/usr/bin:/bin"}  # fmt: skip
     out_json.unlink(missing_ok=True)
     log = out_json.with_suffix(".log").open("wb")  # a file, not a pipe: nobody reads it while it runs
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -190,25 +145,16 @@ def finish_guidellm(proc: subprocess.Popen[bytes], out_json: Path, timeout_s: fl
     return parse_guidellm(json.loads(out_json.read_text()))
 
 
-def run_guidellm(
-    base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace, out_json: Path
-) -> dict[str, float]:
+def run_guidellm(base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace,
+                 out_json: Path) -> dict[str, float]:  # fmt: skip
     proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
     return finish_guidellm(proc, out_json, args.max_duration + 600)
 
 
-def run_simultaneous(
-    base_url: str,
-    model: str,
-    model_dir: str,
-    requests: list[W.BenchRequest],
-    data: Path,
-    args: argparse.Namespace,
-    out_json: Path,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Both clients at once, each with the same request list at `--concurrency`: they measure the
-    very same server steps, so any slowdown either client causes is shared. Ours starts when
-    guidellm's first request is in (its own start-up takes seconds)."""
+def run_simultaneous(base_url: str, model: str, model_dir: str, requests: list[W.BenchRequest], data: Path,
+                     args: argparse.Namespace, out_json: Path) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
+    """Both clients at once, each with the same request list at --concurrency: they measure the very same server
+    steps. Ours starts when guidellm's first request is in (its own start-up takes seconds)."""
     before = server_counters(base_url)
     proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
     deadline = time.monotonic() + 300
@@ -220,50 +166,34 @@ def run_simultaneous(
     harness = run_harness(base_url, requests, args)
     reference = finish_guidellm(proc, out_json, args.max_duration + 600)
     shared = counter_delta(before, server_counters(base_url))
-    for result in (harness, reference):
-        add_server_counters(result, shared)
-        result["client_cpu_s"] = math.nan  # not separable: both clients ran at once
-    return harness, reference
-
-
-def _dist(metrics: dict[str, Any], name: str, stat: str) -> float:
-    """guidellm StatusDistributionSummary -> the `successful` requests' statistic."""
-    d = (metrics.get(name) or {}).get("successful") or {}
-    if stat in d:
-        return float(d[stat])
-    pct = d.get("percentiles") or {}
-    return float(pct.get(stat, math.nan))
+    return with_counters(harness, shared, math.nan), with_counters(reference, shared, math.nan)  # CPU: not separable
 
 
 def parse_guidellm(report: dict[str, Any]) -> dict[str, float]:
+    """guidellm's report: each StatusDistributionSummary's `successful` requests."""
     bench = report["benchmarks"][0]
     m = bench["metrics"]
     totals = m.get("request_totals") or bench.get("request_totals") or {}
+
+    def dist(name: str, stat: str) -> float:
+        d = (m.get(name) or {}).get("successful") or {}
+        return float(d[stat]) if stat in d else float((d.get("percentiles") or {}).get(stat, math.nan))
+
     return {
-        "ttft_mean_ms": _dist(m, "time_to_first_token_ms", "mean"),
-        "ttft_p50_ms": _dist(m, "time_to_first_token_ms", "median"),
-        "itl_mean_ms": _dist(m, "inter_token_latency_ms", "mean"),
-        "itl_p50_ms": _dist(m, "inter_token_latency_ms", "median"),
-        "requests_per_s": _dist(m, "requests_per_second", "mean"),
-        "output_tokens_per_s": _dist(m, "output_tokens_per_second", "mean"),
-        "prompt_tokens_mean": _dist(m, "prompt_token_count", "mean"),
-        "output_tokens_mean": _dist(m, "output_token_count", "mean"),
+        "ttft_mean_ms": dist("time_to_first_token_ms", "mean"), "ttft_p50_ms": dist("time_to_first_token_ms", "median"),
+        "itl_mean_ms": dist("inter_token_latency_ms", "mean"), "itl_p50_ms": dist("inter_token_latency_ms", "median"),
+        "requests_per_s": dist("requests_per_second", "mean"), "output_tokens_per_s": dist("output_tokens_per_second", "mean"),
+        "prompt_tokens_mean": dist("prompt_token_count", "mean"), "output_tokens_mean": dist("output_token_count", "mean"),
         "errors": float(totals.get("errored", math.nan)) if isinstance(totals, dict) else math.nan,
-    }
+    }  # fmt: skip
 
 
-def split_cpus(shared: bool) -> tuple[set[int], set[int]]:
-    """Why split: with shared cores guidellm's client (~12 CPU-s per 24-request run then, ours
-    ~0.5 s) took CPU from the server, whose counters showed the same 390 steps taking 48 ms instead
-    of 34 ms: two different server speeds, not two clients. Split, what remains is memory-system
-    contention: a batch-4 decode step takes ~30 ms instead of ~25 ms while guidellm runs on the
-    other core (prefill steps: +2%), as it does next to a process summing 64 MB every 2 ms (+9%),
-    but not next to a pure-Python busy loop (+0%)."""
+def split_cpus() -> tuple[set[int], set[int]]:
+    """The server's half of the CPUs and the clients' half. Shared, guidellm's client (~12 CPU-s a run then,
+    ours ~0.5 s) took CPU from the server, whose same steps took 48 ms instead of 34: two server speeds, not two
+    clients. What remains split is memory-system contention (README)."""
     cpus = sorted(os.sched_getaffinity(0))
-    if shared or len(cpus) < 2:
-        return set(cpus), set(cpus)
-    half = len(cpus) // 2
-    return set(cpus[:half]), set(cpus[half:])
+    return (set(cpus), set(cpus)) if len(cpus) < 2 else (set(cpus[: len(cpus) // 2]), set(cpus[len(cpus) // 2 :]))
 
 
 def _client_cpu_s() -> float:
@@ -276,29 +206,6 @@ def pct_diff(ours: float, ref: float) -> float:
     return 100.0 * (ours - ref) / ref if ref and math.isfinite(ours) and math.isfinite(ref) else math.nan
 
 
-COMPARED = (
-    "ttft_mean_ms",
-    "ttft_p50_ms",
-    "itl_mean_ms",
-    "itl_p50_ms",
-    "requests_per_s",
-    "output_tokens_per_s",
-    "prompt_tokens_mean",
-    "output_tokens_mean",
-)
-NORMALIZED = ("itl_mean_per_step", "output_tokens_per_step")
-
-
-def normalized(run: dict[str, float]) -> dict[str, float]:
-    """The run's latency and throughput in units of the server's own step time in that run: what
-    is left of a client difference once the server's speed during each client's run is taken out."""
-    step_ms = run["server_forward_ms_per_step"]
-    return {
-        "itl_mean_per_step": run["itl_mean_ms"] / step_ms,
-        "output_tokens_per_step": run["output_tokens_per_s"] * step_ms / 1000,
-    }
-
-
 def pair_diffs(runs: dict[str, list[dict[str, float]]], key: str) -> list[float]:
     """% difference harness vs guidellm within each repetition (both sent the same requests)."""
     return [pct_diff(a[key], b[key]) for a, b in zip(runs["harness"], runs["guidellm"])]
@@ -307,39 +214,26 @@ def pair_diffs(runs: dict[str, list[dict[str, float]]], key: str) -> list[float]
 def comparison_table(runs: dict[str, list[dict[str, float]]]) -> list[str]:
     """Medians over repetitions; the difference column is the median of the per-repetition
     differences (each pair sent the same request list, so their throughputs are comparable)."""
-    med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]} for c in runs}
+    med = {c: {k: S.median(r[k] for r in runs[c]) for k in runs[c][0]} for c in runs}
     ours, ref = med["harness"], med["guidellm"]
     rows = ["| metric | our harness | guidellm | difference (median of pairs) |", "|---|---|---|---|"]
     for key in COMPARED:
-        d = statistics.median(pair_diffs(runs, key))
+        d = S.median(pair_diffs(runs, key))
         flag = "" if not math.isfinite(d) or key.endswith("tokens_mean") else (" ok" if abs(d) <= 10 else " **>10%**")
         rows.append(f"| {key} | {ours[key]:.2f} | {ref[key]:.2f} | {d:+.1f}%{flag} |")
-    rows.append(
-        f"| (ours: chunk-gap ITL mean / p50, ms) | {ours['chunk_itl_mean_ms']:.2f} / {ours['chunk_itl_p50_ms']:.2f} | | |"
-    )
-    rows.append(
-        f"| (ours: TPOT incl. stream tail, mean / p50, ms) | {ours['tpot_mean_ms']:.2f} / {ours['tpot_p50_ms']:.2f} | | |"
-    )
-    rows.append(
-        f"| (client CPU-s per run; guidellm's includes its start-up) | {ours['client_cpu_s']:.1f}"
-        f" | {ref['client_cpu_s']:.1f} | |"
-    )
-    rows.append(f"| server steps per run | {ours['server_steps']:.0f} | {ref['server_steps']:.0f} | |")
+    rows += [f"| (ours: chunk-gap ITL mean / p50, ms) | {ours['chunk_itl_mean_ms']:.2f} / {ours['chunk_itl_p50_ms']:.2f} | | |",
+             f"| (ours: TPOT incl. stream tail, mean / p50, ms) | {ours['tpot_mean_ms']:.2f} / {ours['tpot_p50_ms']:.2f} | | |",
+             f"| (client CPU-s per run; guidellm's includes its start-up) | {ours['client_cpu_s']:.1f} | {ref['client_cpu_s']:.1f} | |",
+             f"| server steps per run | {ours['server_steps']:.0f} | {ref['server_steps']:.0f} | |"]  # fmt: skip
     for key in ("server_forward_ms_per_step", *NORMALIZED):
-        d = statistics.median(pair_diffs(runs, key))
+        d = S.median(pair_diffs(runs, key))
         rows.append(f"| {key} | {ours[key]:.3f} | {ref[key]:.3f} | {d:+.1f}% |")
     return rows
 
 
 def pair_rows(runs: dict[str, list[dict[str, float]]], simultaneous: bool = False) -> list[str]:
-    keys = (
-        "ttft_p50_ms",
-        "itl_p50_ms",
-        "itl_mean_ms",
-        "output_tokens_per_s",
-        "server_forward_ms_per_step",
-        "itl_mean_per_step",
-    )
+    keys = ("ttft_p50_ms", "itl_p50_ms", "itl_mean_ms", "output_tokens_per_s", "server_forward_ms_per_step",
+            "itl_mean_per_step")  # fmt: skip
     rows = ["| rep | first | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
     for rep, (a, b) in enumerate(zip(runs["harness"], runs["guidellm"])):
         first = "(together)" if simultaneous else "guidellm" if _guidellm_first(rep) else "harness"
@@ -356,76 +250,44 @@ def _guidellm_first(rep: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=None, help="use this running server instead of starting ours")
-    p.add_argument("--model-dir", default="smollm2", help="served checkpoint (alias smollm2 / qwen2-vl-bench or a dir)")
-    p.add_argument("--model", default=None, help="request `model` field (default: /v1/models, else the dir)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--model-dir", default="smollm2", help="served checkpoint: a models.MODELS alias or a directory")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument(
-        "--output-tokens",
-        type=lambda t: (int(t.partition(":")[0]), int(t.partition(":")[2] or t.partition(":")[0])),
-        default=(32, 96),
-        help="N or MIN:MAX, drawn per request (default 32:96; see the docstring for why not one fixed N)",
-    )
-    p.add_argument(
-        "--reps", type=int, default=4, help="repetitions, each a harness run and a guidellm run (ABBA order)"
-    )
-    p.add_argument("--max-duration", type=float, default=300.0)
-    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--output-tokens", type=SB.token_range, default=(32, 96),
+                   help="N or MIN:MAX, drawn per request (one fixed N runs in lock-step waves: README)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=4, help="repetitions, each a harness run and a guidellm run (ABBA)")
+    p.add_argument("--max-duration", type=float, default=300.0, help="per run, and each request's timeout")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--guidellm", type=Path, default=GUIDELLM)
-    p.add_argument("--guidellm-workers", type=int, default=1, help="guidellm worker processes")
-    p.add_argument(
-        "--shared-cores",
-        action="store_true",
-        help="let the clients share cores with the server (default: the server we start gets the"
-        " first half of the CPUs, both clients the rest)",
-    )
-    p.add_argument(
-        "--keep-prefix-cache",
-        action="store_true",
-        help="leave our server's prefix cache on (off by default: guidellm repeats its prompts in every"
-        " repetition while ours sends fresh ones, so cache hits would differ between the clients)",
-    )
-    p.add_argument(
-        "--simultaneous",
-        action="store_true",
-        help="run both clients at the same time, each with the request list at --concurrency (the server"
-        " sees twice the load), so both measure the same server steps; default: one after the other",
-    )
+    p.add_argument("--simultaneous", action="store_true",
+                   help="both clients at once, each with the request list at --concurrency (twice the load)")  # fmt: skip
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not args.guidellm.exists():
         raise SystemExit(f"{args.guidellm} not found; install guidellm as this script's docstring says")
-    model_dir = R.resolve_model_dir(args.model_dir)
+    model_dir = str(models.model_dir(args.model_dir))
     out = args.out or BENCH / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-guidellm"
     out.mkdir(parents=True, exist_ok=True)
     peers.install_signal_handlers()
 
-    def measure(base_url: str) -> dict[str, Any]:
-        model = args.model or C.served_model_id(base_url) or model_dir
-        warm_up = argparse.Namespace(**{**vars(args), "num_requests": args.concurrency})
-        run_harness(base_url, build_requests(model, model_dir, warm_up, 100_000), args)
+    def measure(base_url: str) -> dict[str, list[dict[str, float]]]:
+        model = C.served_model_id(base_url) or model_dir
+        run_harness(base_url, build_requests(model, model_dir, argparse.Namespace(**{**vars(args), "num_requests": args.concurrency}), 100_000), args)  # warm-up  # fmt: skip
         runs: dict[str, list[dict[str, float]]] = {"harness": [], "guidellm": []}
         for rep in range(args.reps):
-            # One request list per repetition, sent by both clients (our server's prefix cache
-            # is off for the check, so the second client gains nothing from the repeat).
+            # One request list per repetition, sent by both clients (the prefix cache is off: no gain from repeats).
             requests = build_requests(model, model_dir, args, 1000 * rep)
-            data = out / f"requests-{rep}.jsonl"
+            data, guidellm_json = out / f"requests-{rep}.jsonl", out / f"guidellm-{rep}.json"
             write_guidellm_data(requests, data)
-            guidellm_json = out / f"guidellm-{rep}.json"
             if args.simultaneous:
                 harness, reference = run_simultaneous(base_url, model, model_dir, requests, data, args, guidellm_json)
                 runs["harness"].append(harness)
                 runs["guidellm"].append(reference)
             else:
-                clients = {
-                    "harness": functools.partial(run_harness, base_url, requests, args),
-                    "guidellm": functools.partial(run_guidellm, base_url, model, model_dir, data, args, guidellm_json),
-                }
-                order = ("guidellm", "harness") if _guidellm_first(rep) else ("harness", "guidellm")
-                for name in order:
+                clients = {"harness": functools.partial(run_harness, base_url, requests, args),
+                           "guidellm": functools.partial(run_guidellm, base_url, model, model_dir, data, args, guidellm_json)}  # fmt: skip
+                for name in ("guidellm", "harness") if _guidellm_first(rep) else ("harness", "guidellm"):
                     runs[name].append(run_with_counters(base_url, clients[name]))
             (out / "runs.json").write_text(json.dumps(runs, indent=1))  # kept if a later rep times out
         return runs
@@ -433,36 +295,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.base_url:
         runs = measure(args.base_url)
     else:
-        extra = () if args.keep_prefix_cache else ("--no-prefix-cache",)
-        spec = peers.ServerSpec("ours", model_dir, args.dtype, extra)
-        server_cpus, client_cpus = split_cpus(args.shared_cores)
-        # Children inherit the CPU mask at start: the server gets its half, then this process
-        # (our client) and guidellm (started from it) move to the other half.
+        server_cpus, client_cpus = split_cpus()
+        # Children inherit the CPU mask at start: the server gets its half, then this process (our client) and
+        # guidellm (started from it) move to the other.
         os.sched_setaffinity(0, server_cpus)
-        with peers.ManagedServer(spec, out / "logs") as server:
+        with peers.ManagedServer(peers.ServerSpec("ours", model_dir, "auto", ("--no-prefix-cache",)), out / "logs") as server:
             os.sched_setaffinity(0, client_cpus)
             print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
             runs = measure(server.base_url)
-    rows = comparison_table(runs) + ["", "Per repetition (harness vs guidellm, same requests), % difference:", ""]
-    rows += pair_rows(runs, args.simultaneous)
     lo, hi = args.output_tokens
     mode = "both clients at once, each at" if args.simultaneous else "one client after the other, at"
-    header = (
+    text = "\n".join([
         f"guidellm check: {Path(model_dir).name}, {mode} closed loop concurrency {args.concurrency}, "
-        f"{args.num_requests} requests x {args.reps}, ~{args.prompt_tokens} prompt / {lo}-{hi} output tokens"
-    )
-    text = "\n".join([header, "", *rows]) + "\n"
+        f"{args.num_requests} requests x {args.reps}, ~{args.prompt_tokens} prompt / {lo}-{hi} output tokens", "",
+        *comparison_table(runs), "", "Per repetition (harness vs guidellm, same requests), % difference:", "",
+        *pair_rows(runs, args.simultaneous)]) + "\n"  # fmt: skip
     (out / "comparison.md").write_text(text)
-    (out / "comparison.json").write_text(
-        json.dumps(
-            {
-                "config": {**vars(args), "guidellm": str(args.guidellm), "out": str(out)},
-                "runs": runs,
-            },
-            indent=1,
-            default=str,
-        )
-    )
+    config = {**vars(args), "guidellm": str(args.guidellm), "out": str(out)}
+    (out / "comparison.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1, default=str))
     print(text)
     print(f"wrote {out}/comparison.md")
     return 0

@@ -1,28 +1,23 @@
-"""Roofline: the machine's measured matmul FLOP/s and memory bandwidth, and what fraction of each
-the engine reaches during decode.
+"""Roofline: the machine's measured matmul FLOP/s and memory bandwidth, and what fraction of each the engine
+reaches during decode. Every report carries its one line (`roofline_line`).
 
-    .venv/bin/python benchmarks/roofline.py                       # measure (or show cached) ceilings
-    .venv/bin/python benchmarks/roofline.py --refresh             # re-measure
-    .venv/bin/python benchmarks/roofline.py --engine smollm2 --dtype bfloat16 --batch 64 --context 512
-        # in-process Engine decode at batch 64: the issue's ">= 60% of matmul FLOP/s" check
+    .venv/bin/python benchmarks/roofline.py [--refresh]      # the ceilings (cached per CPU tier), or re-measured
+    .venv/bin/python benchmarks/inproc.py roofline --model smollm2 --dtype bfloat16 --batch 64 --context 512
 
-Arithmetic (decode, one step at batch B, mean context L):
-    FLOPs/token  = 2 * (decoder linear params + LM head params) + 4 * layers * q_heads * head_dim * L
-    bytes/step   = (decoder linear + LM head) weight bytes + B * L * KV bytes/token
-Embedding lookups and the vision tower are excluded (decode does not run them). The engine's
-fraction = (B * FLOPs/token / step time) / matmul FLOP/s, and (bytes/step / step time) / bandwidth.
-Other scripts call `roofline_line(...)` so every report carries this line.
+Decode, one step at batch B, mean context L: FLOPs/token = 2 * (decoder linear + LM head params) + 4 * layers *
+q_heads * head_dim * L; bytes/step = (decoder linear + LM head) weight bytes + B * L * KV bytes/token. Embedding
+lookups and the vision tower are left out (decode does not run them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import struct
 import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +34,11 @@ if os.environ.get("VLM_ENGINE_ISA") == "avx2":
 # Sibling modules and the repository root (testkit) when run by path.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import stats  # noqa: E402 - after the caps
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # One cache file per CPU tier, so alternating native and VLM_ENGINE_ISA=avx2 runs keep both.
 MACHINE_CACHE = RESULTS / "machine-{tier}.json"
-
-_DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1}
-
 
 # ---- machine ceilings ------------------------------------------------------------------------------
 
@@ -106,13 +100,8 @@ def cpu_name() -> str:
 
 
 def _best_time(fn: Any, repeats: int) -> float:
-    fn()  # warm-up: first call pays allocation and kernel selection
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+    """Best of `repeats` after a warm-up (the first call pays allocation and kernel selection)."""
+    return min(stats.timed(fn, repeats)[0])
 
 
 def matmul_size(n: int = 2048, dtype: str = "float32", max_call_s: float = 1.0, min_n: int = 256) -> int:
@@ -181,19 +170,9 @@ def measure_machine(n: int = 2048, repeats: int = 5, max_call_s: float = 1.0) ->
     read, copy = measure_bandwidth(repeats=repeats)
     n32, n16 = matmul_size(n, "float32", max_call_s), matmul_size(n, "bfloat16", max_call_s)
     fp32_flops, fp32_kernel = measure_fp32_matmul(n32, repeats)
-    return MachineCeilings(
-        matmul_fp32_flops=fp32_flops,
-        matmul_bf16_flops=measure_matmul(n16, "bfloat16", repeats),
-        mem_read_bytes_s=read,
-        mem_copy_bytes_s=copy,
-        threads=torch.get_num_threads(),
-        cpu=cpu_name(),
-        torch_version=torch.__version__,
-        matmul_n=n32,
-        matmul_bf16_n=n16 if n16 != n32 else None,
-        isa=isa_tier(),
-        fp32_kernel=fp32_kernel,
-    )
+    bf16_flops = measure_matmul(n16, "bfloat16", repeats)
+    return MachineCeilings(fp32_flops, bf16_flops, read, copy, torch.get_num_threads(), cpu_name(), torch.__version__,
+                           n32, n16 if n16 != n32 else None, isa_tier(), fp32_kernel)  # fmt: skip
 
 
 def machine_ceilings(refresh: bool = False, path: Path | None = None) -> MachineCeilings:
@@ -201,16 +180,11 @@ def machine_ceilings(refresh: bool = False, path: Path | None = None) -> Machine
     import torch
 
     path = path or Path(str(MACHINE_CACHE).format(tier=isa_tier()))
-
     if not refresh and path.exists():
         try:
             cached = MachineCeilings(**json.loads(path.read_text()))
-            if (cached.cpu, cached.threads, cached.torch_version, cached.isa) == (
-                cpu_name(),
-                torch.get_num_threads(),
-                torch.__version__,
-                isa_tier(),
-            ) and cached.fp32_kernel:
+            here = (cpu_name(), torch.get_num_threads(), torch.__version__, isa_tier())
+            if (cached.cpu, cached.threads, cached.torch_version, cached.isa) == here and cached.fp32_kernel:
                 return cached
         except (TypeError, ValueError):
             pass
@@ -263,9 +237,7 @@ class ModelCost:
         shapes = safetensors_shapes(model_dir)
         decoder = lm_head = embed = vision = 0
         for name, shape in shapes.items():
-            numel = 1
-            for d in shape:
-                numel *= d
+            numel = math.prod(shape)
             if "visual" in name or "vision" in name:
                 vision += numel
             elif "embed_tokens" in name:
@@ -278,16 +250,8 @@ class ModelCost:
             lm_head = embed
         heads = int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-        return cls(
-            decoder,
-            lm_head,
-            embed,
-            vision,
-            int(text["num_hidden_layers"]),
-            heads,
-            int(text.get("num_key_value_heads") or heads),
-            head_dim,
-        )
+        layers, kv_heads = int(text["num_hidden_layers"]), int(text.get("num_key_value_heads") or heads)
+        return cls(decoder, lm_head, embed, vision, layers, heads, kv_heads, head_dim)
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -352,28 +316,12 @@ def roofline(
     dtype_bytes = 4 if dtype in ("float32", "fp32") or narrow else 2
     flops = batch * cost.flops_per_token(context) / step_s
     bytes_s = cost.bytes_per_step(round(batch), context, dtype_bytes, narrow) / step_s
-    return Roofline(
-        batch,
-        context,
-        step_s,
-        dtype,
-        flops,
-        bytes_s,
-        flops / machine.matmul_flops(dtype),
-        bytes_s / machine.mem_bytes_s,
-        basis,
-    )
+    fractions = flops / machine.matmul_flops(dtype), bytes_s / machine.mem_bytes_s
+    return Roofline(batch, context, step_s, dtype, flops, bytes_s, *fractions, basis)
 
 
-def roofline_line(
-    model_dir: str | Path | None,
-    batch: float,
-    context: float,
-    step_s: float | None,
-    dtype: str,
-    basis: str,
-    machine: MachineCeilings | None = None,
-) -> str:
+def roofline_line(model_dir: str | Path | None, batch: float, context: float, step_s: float | None, dtype: str,
+                  basis: str, machine: MachineCeilings | None = None) -> str:  # fmt: skip
     """The one-line roofline every report prints; says why when it cannot be computed."""
     if model_dir is None or step_s is None or not step_s > 0 or not batch > 0:
         return "roofline: n/a (no model directory or no decode step time measured)"
@@ -384,103 +332,10 @@ def roofline_line(
     return roofline(cost, machine or machine_ceilings(), batch, context, step_s, dtype, basis).line()
 
 
-# ---- in-process engine decode -----------------------------------------------------------------------------
-
-
-def engine_decode_step(
-    model: str, dtype: str, batch: int, context: int, steps: int = 8, attention_backend: str = "auto"
-) -> dict[str, Any]:
-    """Median decode step (whole `engine.step()` and forward alone) at `batch` sequences of about
-    `context` tokens, measured in-process after every sequence has finished its prefill."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from vlm_engine import Engine, SamplingParams
-
-    max_batched = max(2048, context + 16)
-    # Early-admitted sequences decode while later ones are still in prefill: give every sequence
-    # enough tokens that none finishes during the measured steps (all of them must be full batches).
-    prefill_steps = -(-batch * context // max_batched)
-    max_tokens = prefill_steps + steps + 8
-    engine = Engine(
-        model,
-        dtype=dtype,
-        max_num_seqs=batch,
-        max_num_batched_tokens=max_batched,
-        kv_cache_tokens=batch * (context + max_tokens) + 1024,
-        attention_backend=attention_backend,
-    )
-    vocab = engine.tokenizer.vocab_size if hasattr(engine.tokenizer, "vocab_size") else 1000
-    # Throwaway decode steps first: the first ones pay one-off costs (kernel loading, allocator).
-    engine.generate(
-        [[5 + j for j in range(32)]] * min(batch, 4), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        # Distinct token ids per sequence: no prefix-cache sharing, every sequence pays its own KV.
-        ids = [(7 + i * 131 + j * 17) % max(vocab - 1, 2) + 1 for j in range(context)]
-        engine.add_request(ids, params)
-    while (
-        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
-    ):
-        engine.step()
-    totals, forwards, batch_sizes = [], [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        totals.append(time.perf_counter() - t)
-        forwards.append(engine.last_step.forward_s)
-        batch_sizes.append(engine.last_step.num_seqs)
-    if any(n != batch for n in batch_sizes):
-        raise RuntimeError(f"measured steps ran {batch_sizes} sequences, not {batch} each")
-    totals.sort()
-    forwards.sort()
-    return {
-        "model_dir": str(engine.source.directory),
-        "dtype": BF16_WEIGHTS if engine.bf16_weights else str(engine.dtype).replace("torch.", ""),
-        "batch": batch,
-        "context": context + (prefill_steps - 1) / 2 + steps / 2,  # mean KV length while measured
-        "step_s": totals[len(totals) // 2],
-        "forward_s": forwards[len(forwards) // 2],
-        "batch_sizes": batch_sizes,
-    }
-
-
-def resolve_model_dir(name: str) -> str:
-    """A models.MODELS alias -> the cached checkpoint directory; else as is."""
-    import models
-
-    return str(models.model_dir(name))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--refresh", action="store_true", help="re-measure the machine ceilings")
-    p.add_argument(
-        "--engine", default=None, help="also time in-process decode: smollm2, qwen2-vl-bench, or a model dir"
-    )
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--context", type=int, default=256, help="prompt tokens per sequence before decode")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--json", type=Path, default=None, help="write the result here")
-    args = p.parse_args(argv)
-
-    machine = machine_ceilings(refresh=args.refresh)
-    print(machine.describe())
-    result: dict[str, Any] = {"machine": asdict(machine)}
-    if args.engine:
-        model_dir = resolve_model_dir(args.engine)
-        m = engine_decode_step(model_dir, args.dtype, args.batch, args.context, args.steps)
-        cost = ModelCost.from_dir(m["model_dir"])
-        for key in ("step_s", "forward_s"):
-            if m[key]:
-                r = roofline(cost, machine, m["batch"], m["context"], m[key], m["dtype"], f"in-process engine, {key}")
-                print(r.line())
-                result[key] = asdict(r)
-        result["engine"] = m
-        result["cost"] = asdict(cost)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+    print(machine_ceilings(refresh=p.parse_args(argv).refresh).describe())
     return 0
 
 

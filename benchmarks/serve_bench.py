@@ -1,17 +1,17 @@
-"""Drive any OpenAI-compatible chat endpoint with the three workloads (chatbot, agent, data
-processor), closed loop at fixed concurrencies and open loop (Poisson) at fixed rates, and write
-JSON (config, per-request records, summaries) plus PNG plots.
+"""Drive any OpenAI-compatible chat endpoint with the workloads (workloads.py), closed loop at fixed
+concurrencies and open loop (Poisson) at fixed rates, and write JSON (config, per-request records, summaries)
+plus PNG plots. `vlm-engine bench ARGS` runs this script.
 
     # a server already running on :8000 (ours: `vlm-engine serve --model DIR --port 8000`)
     .venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --model-dir DIR \\
         --workload data --concurrency 1,4,16 --rate 0.5,1 --num-requests 32
+    # or let it start one (ours | transformers | vllm | sglang) on --model-dir and stop it afterwards
+    .venv/bin/python benchmarks/serve_bench.py --start ours --model-dir DIR --workload data --concurrency 16
 
-    # the same through the CLI (when `vlm-engine bench` is wired in): vlm-engine bench --base-url ...
-
-Payloads are deterministic (workloads.py), so two servers see byte-identical requests. The
-`--flavor` (auto-detected by default) decides which non-standard fields are sent to pin output
-lengths: `ignore_eos` for vlm-engine/vLLM/SGLang, a `generation_config` with min_new_tokens for
-`transformers serve` (which answers 422 to unknown fields); the JSON records what was sent.
+Payloads are deterministic, so two servers see byte-identical requests. `--flavor` (auto-detected by default)
+decides which non-standard fields pin output lengths: `ignore_eos` for vlm-engine/vLLM/SGLang, a
+`generation_config` with min_new_tokens for `transformers serve` (which answers 422 to unknown fields); the JSON
+records what was sent.
 """
 
 from __future__ import annotations
@@ -30,13 +30,15 @@ from typing import Any
 # Sibling modules and the repository root (testkit) when run by path.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
+import roofline as R  # first: with VLM_ENGINE_ISA=avx2 it caps torch's libraries before torch loads
 import client as C
-import roofline as R
+import models
 import stats as S
 import workloads as W
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP_INDEX = 900_000  # warm-up requests use their own indices: no image repeats a measured one
+SPEC_FIELDS = ("shared_prefix_tokens", "user_tokens", "output_tokens", "image_size", "shared_image_prob", "video_frames")
 
 
 @dataclass
@@ -71,9 +73,6 @@ class BenchConfig:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
 
-# ---- set-up ---------------------------------------------------------------------------------------
-
-
 def load_tokenizer(model_dir: str | None) -> Any:
     if model_dir is None:
         return None
@@ -82,28 +81,14 @@ def load_tokenizer(model_dir: str | None) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def is_text_only(model_dir: str | None) -> bool:
-    if model_dir is None:
-        return False
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return "vision_config" not in config
-
-
-def checkpoint_dtype(model_dir: str | None) -> str:
-    if model_dir is None:
-        return "float32"
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    text = config.get("text_config") or {}
-    return str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32")
-
-
 def served_dtype(model_dir: str | None, ours: bool) -> str:
-    """What the server computes in with its defaults, for the roofline: the checkpoint's dtype,
-    except that our `dtype=auto` on this CPU runs float checkpoints in bf16 where it has bf16 dot
-    products and as fp32 activations on bf16 weights where it has not (registry.resolve_dtype,
-    cpu_bf16_weights). Judged against the bf16 ceiling of an AVX2 machine, which has no bf16
-    arithmetic, its steps read as thousands of percent."""
-    declared = checkpoint_dtype(model_dir)
+    """What the server computes in with its defaults, for the roofline: the checkpoint's dtype, except that our
+    `dtype=auto` runs float checkpoints in bf16 where the CPU has bf16 dot products and as fp32 activations on bf16
+    weights where it has not (registry.resolve_dtype, cpu_bf16_weights): judged against the bf16 ceiling of an
+    AVX2 machine, which has no bf16 arithmetic, its steps would read as thousands of percent."""
+    config = json.loads((Path(model_dir) / "config.json").read_text()) if model_dir else {}
+    text = config.get("text_config") or {}
+    declared = str(config.get("dtype") or config.get("torch_dtype") or text.get("dtype") or "float32")
     if not ours:
         return declared
     import torch
@@ -127,114 +112,57 @@ def detect_flavor(cfg: BenchConfig, model: str | None) -> str:
     raise RuntimeError("the server rejected even a plain chat request")
 
 
-def workload_factory(cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any) -> W.RequestFactory:
-    spec = W.workload_spec(name, **cfg.overrides)
-    text_only = cfg.text_only if cfg.text_only is not None else is_text_only(cfg.model_dir)
-    if text_only:
-        spec = W.text_only(spec)
-    return W.RequestFactory(spec, model, flavor, cfg.seed, tokenizer)
-
-
-def load_points(cfg: BenchConfig) -> list[C.LoadPoint]:
-    closed = [
-        C.LoadPoint("closed", c, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s) for c in cfg.concurrency
-    ]
-    opened = [C.LoadPoint("open", r, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s) for r in cfg.rates]
-    return closed + opened
-
-
-# ---- roofline for one point --------------------------------------------------------------------------
-
-
-def point_roofline(
-    cfg: BenchConfig,
-    point: C.LoadPoint,
-    summary: S.Summary,
-    before: dict[str, float] | None,
-    after: dict[str, float] | None,
-) -> dict[str, str]:
-    """Roofline lines: from the server's step counters when it publishes them (ours), and from
-    the client's view (TPOT p50 as the decode step at batch ~= concurrency) for any server."""
+def point_roofline(cfg: BenchConfig, point: C.LoadPoint, summary: S.Summary, before: dict[str, float] | None,
+                   after: dict[str, float] | None) -> dict[str, str]:  # fmt: skip
+    """Roofline lines: from the server's step counters when it publishes them (ours), and from the client's view
+    (TPOT p50 as the decode step at batch ~= concurrency) for any server."""
     dtype = cfg.dtype or served_dtype(cfg.model_dir, ours="vlm_engine:engine_steps_total" in (after or {}))
-    context = (summary.mean_prompt_tokens if math.isfinite(summary.mean_prompt_tokens) else 0.0) + (
-        summary.mean_output_tokens / 2 if math.isfinite(summary.mean_output_tokens) else 0.0
-    )
-    lines = {}
+    finite = [x for x in (summary.mean_prompt_tokens, summary.mean_output_tokens / 2) if math.isfinite(x)]
+    context, lines = sum(finite), {}
     batch = point.value if point.mode == "closed" else summary.request_throughput * summary.e2e.mean
     # TPOT, not ITL: servers that merge several tokens into one chunk make single gaps ~0.
     if math.isfinite(summary.tpot.p50) and math.isfinite(batch):
-        lines["client"] = R.roofline_line(
-            cfg.model_dir,
-            batch,
-            context,
-            summary.tpot.p50,
-            dtype,
-            f"client: TPOT p50 as the decode step at batch ~{batch:.1f}",
-        )
+        basis = f"client: TPOT p50 as the decode step at batch ~{batch:.1f}"
+        lines["client"] = R.roofline_line(cfg.model_dir, batch, context, summary.tpot.p50, dtype, basis)
     if before and after:
-        d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        steps = d.get("vlm_engine:engine_steps_total", 0.0)
-        fwd = d.get("vlm_engine:step_forward_seconds_sum", 0.0)
-        tokens = d.get("vlm_engine:generation_tokens_total", 0.0) + d.get("vlm_engine:prefill_tokens_total", 0.0)
+        d = {k.removeprefix("vlm_engine:"): after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        steps, fwd = d.get("engine_steps_total", 0.0), d.get("step_forward_seconds_sum", 0.0)
         if steps > 0 and fwd > 0:
-            host = d.get("vlm_engine:step_schedule_seconds_sum", 0.0) + d.get("vlm_engine:step_update_seconds_sum", 0.0)
-            lines["server"] = R.roofline_line(
-                cfg.model_dir,
-                tokens / steps,
-                context,
-                fwd / steps,
-                dtype,
-                f"server counters: {steps:.0f} steps, all tokens incl. prefill",
-            )
-            lines["host_share"] = (
-                f"host overhead: {100 * host / (host + fwd):.1f}% of step time ({1000 * host / steps:.2f} ms/step)"
-            )
+            tokens = d.get("generation_tokens_total", 0.0) + d.get("prefill_tokens_total", 0.0)
+            host = d.get("step_schedule_seconds_sum", 0.0) + d.get("step_update_seconds_sum", 0.0)
+            basis = f"server counters: {steps:.0f} steps, all tokens incl. prefill"
+            lines["server"] = R.roofline_line(cfg.model_dir, tokens / steps, context, fwd / steps, dtype, basis)
+            lines["host_share"] = f"host overhead: {100 * host / (host + fwd):.1f}% of step time ({1000 * host / steps:.2f} ms/step)"
     return lines
 
 
-# ---- running -------------------------------------------------------------------------------------------
-
-
-def run_workload(
-    cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any, log: Any = print
-) -> tuple[list[dict[str, Any]], str | None]:
+def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any,
+                 log: Any = print) -> tuple[list[dict[str, Any]], str | None]:  # fmt: skip
     """All load points of one workload; returns (points, skip reason)."""
-    factory = workload_factory(cfg, name, model, flavor, tokenizer)
-    if factory.spec.video_frames > 0:
-        record = asyncio.run(C.probe(cfg.chat_url, factory.build(WARMUP_INDEX - 1), cfg.request_timeout_s, cfg.headers))
-        if not record.ok:
-            return [], f"video unsupported by this server: {record.error}"
+    spec = W.workload_spec(name, **cfg.overrides)
+    text_only = cfg.text_only if cfg.text_only is not None else bool(cfg.model_dir) and not models.model_of(cfg.model_dir).vision
+    factory = W.RequestFactory(W.text_only(spec) if text_only else spec, model, flavor, cfg.seed, tokenizer)
+    probe = lambda i: asyncio.run(C.probe(cfg.chat_url, factory.build(i), cfg.request_timeout_s, cfg.headers))  # noqa: E731
+    if factory.spec.video_frames > 0 and not (record := probe(WARMUP_INDEX - 1)).ok:
+        return [], f"video unsupported by this server: {record.error}"
     for k in range(cfg.warmup):
-        record = asyncio.run(C.probe(cfg.chat_url, factory.build(WARMUP_INDEX + k), cfg.request_timeout_s, cfg.headers))
-        if not record.ok:
+        if not (record := probe(WARMUP_INDEX + k)).ok:
             log(f"  warm-up request failed: {record.error}")
-    points = []
-    first_index = cfg.first_index
-    for point in load_points(cfg):
+    points, first_index = [], cfg.first_index
+    loads = [("closed", c) for c in cfg.concurrency] + [("open", r) for r in cfg.rates]
+    for mode, value in loads:
+        point = C.LoadPoint(mode, value, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s)
         before = C.scrape_metrics(cfg.base_url)
-        records, duration = asyncio.run(
-            C.run_point(cfg.chat_url, factory.build, point, cfg.seed, first_index, cfg.headers)
-        )
-        after = C.scrape_metrics(cfg.base_url)
+        run = C.run_point(cfg.chat_url, factory.build, point, cfg.seed, first_index, cfg.headers)
+        records, duration = asyncio.run(run)
         summary = S.summarize(records, duration)
-        roof = point_roofline(cfg, point, summary, before, after)
+        roof = point_roofline(cfg, point, summary, before, C.scrape_metrics(cfg.base_url))
         log(S.one_line(f"{name} {point.label}", summary))
         for line in roof.values():
             log(f"{'':>14}{line}")
-        points.append(
-            {
-                "server": cfg.server_label,
-                "workload": name,
-                "mode": point.mode,
-                "value": point.value,
-                "label": point.label,
-                "first_index": first_index,
-                "summary": summary.to_json(),
-                "roofline": roof,
-                "spec": W.spec_dict(factory.spec),
-                "records": [r.to_json() for r in records],
-            }
-        )
+        points.append({"server": cfg.server_label, "workload": name, "mode": mode, "value": value, "label": point.label,
+                       "first_index": first_index, "summary": summary.to_json(), "roofline": roof,
+                       "spec": asdict(factory.spec), "records": [r.to_json() for r in records]})  # fmt: skip
         first_index += point.num_requests  # fresh requests (fresh images) for every point
     return points, None
 
@@ -244,8 +172,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     model = cfg.model or C.served_model_id(cfg.base_url, cfg.headers)
     flavor = detect_flavor(cfg, model) if cfg.flavor == "auto" else cfg.flavor
     log(f"{cfg.server_label}: {cfg.base_url} model={model!r} flavor={flavor} fields={W.sent_fields(flavor)}")
-    tokenizer = load_tokenizer(cfg.model_dir)
-    machine = R.machine_ceilings()
+    tokenizer, machine = load_tokenizer(cfg.model_dir), R.machine_ceilings()
     points: list[dict[str, Any]] = []
     skipped = []
     for name in cfg.workloads:
@@ -254,182 +181,93 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         if reason:
             log(f"{name}: skipped ({reason})")
             skipped.append({"workload": name, "reason": reason})
-    return {
-        "config": {**asdict(cfg), "api_key": bool(cfg.api_key)},
-        "server": cfg.server_label,
-        "model": model,
-        "flavor": flavor,
-        "fields_sent": W.sent_fields(flavor),
-        "machine": asdict(machine),
-        "started": started,
-        "finished": time.time(),
-        "points": points,
-        "skipped": skipped,
-    }
+    return {"config": {**asdict(cfg), "api_key": bool(cfg.api_key)}, "server": cfg.server_label, "model": model,
+            "flavor": flavor, "fields_sent": W.sent_fields(flavor), "machine": asdict(machine), "started": started,
+            "finished": time.time(), "points": points, "skipped": skipped}  # fmt: skip
 
 
-def write_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
+def write_results(result: dict[str, Any], out_dir: Path) -> list[Path]:
     import plots
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{prefix}results.json"
-    path.write_text(json.dumps(result, indent=1, default=_json_default))
-    return [path] + plots.plot_all(result["points"], out_dir, prefix)
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return str(x)
+    path = out_dir / "results.json"
+    as_json = lambda x: None if isinstance(x, float) and not math.isfinite(x) else str(x)  # noqa: E731
+    path.write_text(json.dumps(result, indent=1, default=as_json))
+    return [path] + plots.plot_all(result["points"], out_dir)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def numbers(kind: type) -> Any:
+    return lambda text: [kind(x) for x in text.split(",") if x.strip()]
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
-def _range(text: str) -> tuple[int, int]:
+def token_range(text: str) -> tuple[int, int]:
+    """N or MIN:MAX."""
     lo, _, hi = text.partition(":")
     return int(lo), int(hi or lo)
 
 
-def _size(text: str) -> tuple[int, int]:
-    w, _, h = text.lower().partition("x")
-    return int(w), int(h)
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    return p
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Shared with `vlm-engine bench`."""
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     p.add_argument("--workload", default="chatbot,agent,data", help="comma list of: " + ", ".join(W.WORKLOAD_NAMES))
-    p.add_argument(
-        "--concurrency", type=_ints, default=[1, 4, 16], help="closed-loop points, e.g. 1,4,16 (empty: none)"
-    )
-    p.add_argument("--rate", type=_floats, default=[], help="open-loop Poisson rates in req/s, e.g. 0.5,1,2")
+    p.add_argument("--concurrency", type=numbers(int), default=[1, 4, 16], help="closed-loop points, e.g. 1,4,16")
+    p.add_argument("--rate", type=numbers(float), default=[], help="open-loop Poisson rates in req/s, e.g. 0.5,1,2")
     p.add_argument("--num-requests", type=int, default=32, help="requests per load point")
-    p.add_argument(
-        "--max-duration", type=float, default=300.0, help="per point: stop sending new requests after this many s"
-    )
+    p.add_argument("--max-duration", type=float, default=300.0, help="per point: no new requests after this many s")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each workload")
     p.add_argument("--model", default=None, help="the request's `model` field (default: first id of /v1/models)")
-    p.add_argument(
-        "--model-dir", default=None, help="served checkpoint dir: tokenizer for exact prompt lengths, roofline"
-    )
-    p.add_argument(
-        "--flavor", default="auto", choices=("auto",) + W.FLAVORS, help="which length-pinning fields to send"
-    )
-    p.add_argument(
-        "--text-only", action="store_true", default=None, help="no media (default: from --model-dir's config)"
-    )
+    p.add_argument("--model-dir", default=None, help="served checkpoint (or a models.MODELS alias): tokenizer, roofline")
+    p.add_argument("--flavor", default="auto", choices=("auto",) + W.FLAVORS, help="which length-pinning fields to send")
+    p.add_argument("--text-only", action="store_true", default=None, help="no media (default: from --model-dir's config)")
     p.add_argument("--dtype", default=None, help="served dtype, for the roofline line (default: the checkpoint's)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label", default="server", help="name of this server in results and plots")
     p.add_argument("--out", type=Path, default=None, help="results dir (default benchmarks/results/<time>-serve)")
-    p.add_argument(
-        "--start",
-        default=None,
-        choices=("ours", "transformers", "vllm", "sglang"),  # peers.ADAPTERS that need no GGUF
-        help="start this server on --model-dir (free port, stopped afterwards) instead of using --base-url",
-    )
+    p.add_argument("--start", default=None, choices=("ours", "transformers", "vllm", "sglang"),
+                   help="start this server on --model-dir (free port, stopped afterwards) instead of --base-url")  # fmt: skip
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for --start's server (repeatable)")
     g = p.add_argument_group("workload shape (overrides the chosen workloads' defaults)")
     g.add_argument("--shared-prefix-tokens", type=int, default=None, help="chatbot default 2000, agent 3000")
     g.add_argument("--user-tokens", type=int, default=None)
-    g.add_argument(
-        "--output-tokens", type=_range, default=None, help="N or MIN:MAX (chatbot 32:200, agent 512, data 32)"
-    )
-    g.add_argument("--image-size", type=_size, default=None, help="WxH, default 320x240")
-    g.add_argument(
-        "--shared-image-prob", type=float, default=None, help="chatbot: share of requests with the common image"
-    )
-    g.add_argument(
-        "--video-frames",
-        type=int,
-        default=None,
-        help="data: send an N-frame clip instead of an image (skipped if unsupported)",
-    )
-
-
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    overrides = {
-        "shared_prefix_tokens": args.shared_prefix_tokens,
-        "user_tokens": args.user_tokens,
-        "output_tokens": args.output_tokens,
-        "image_size": args.image_size,
-        "shared_image_prob": args.shared_image_prob,
-        "video_frames": args.video_frames,
-    }
-    return BenchConfig(
-        base_url=args.base_url,
-        workloads=[w for w in args.workload.split(",") if w],
-        concurrency=args.concurrency,
-        rates=args.rate,
-        num_requests=args.num_requests,
-        max_duration_s=args.max_duration,
-        request_timeout_s=args.request_timeout,
-        warmup=args.warmup,
-        model=args.model,
-        model_dir=args.model_dir,
-        flavor=args.flavor,
-        text_only=args.text_only,
-        seed=args.seed,
-        server_label=args.label,
-        dtype=args.dtype,
-        api_key=args.api_key,
-        overrides={k: v for k, v in overrides.items() if v is not None},
-    )
-
-
-def run_cli(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    for name in cfg.workloads:
-        try:
-            W.workload_spec(name)  # fail fast on a typo
-        except ValueError as exc:
-            raise SystemExit(f"serve_bench: {exc}") from None
+    g.add_argument("--output-tokens", type=token_range, default=None, help="N or MIN:MAX (chatbot 32:200, data 32)")
+    g.add_argument("--image-size", type=lambda t: tuple(int(x) for x in t.lower().split("x")), default=None, help="WxH")
+    g.add_argument("--shared-image-prob", type=float, default=None, help="chatbot: share of requests with the common image")
+    g.add_argument("--video-frames", type=int, default=None, help="data: an N-frame clip instead of an image")
+    args = p.parse_args(argv)
+    workloads = [w for w in args.workload.split(",") if w]
+    for name in workloads:
+        if name not in W.DEFAULT_SPECS:  # fail fast on a typo
+            raise SystemExit(f"serve_bench: unknown workload {name!r}; choose from {', '.join(W.WORKLOAD_NAMES)}")
+    model_dir = str(models.model_dir(args.model_dir)) if args.model_dir else None
+    cfg = BenchConfig(args.base_url, workloads, args.concurrency, args.rate, args.num_requests, args.max_duration,
+                      args.request_timeout, args.warmup, args.model, model_dir, args.flavor, args.text_only, args.seed,
+                      args.label, args.dtype, args.api_key,
+                      {k: getattr(args, k) for k in SPEC_FIELDS if getattr(args, k) is not None})  # fmt: skip
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-serve"
     if args.start:
-        import models
         import peers
 
-        if args.model_dir is None:
+        if model_dir is None:
             raise SystemExit("--start needs --model-dir")
-        cfg.model_dir = args.model_dir = str(models.model_dir(args.model_dir))
         peers.install_signal_handlers()
-        spec = peers.ServerSpec(args.start, args.model_dir, args.dtype or "auto", tuple(args.server_arg))
+        spec = peers.ServerSpec(args.start, model_dir, args.dtype or "auto", tuple(args.server_arg))
         with peers.ManagedServer(spec, out / "logs") as server:
             print(f"started {spec.name} at {server.base_url} in {server.startup_s:.0f} s (log {server.log_path})")
-            cfg.base_url = server.base_url
-            cfg.model = cfg.model or args.model_dir
+            cfg.base_url, cfg.model = server.base_url, cfg.model or model_dir
             cfg.flavor = spec.flavor if cfg.flavor == "auto" else cfg.flavor
-            if cfg.server_label == "server":
-                cfg.server_label = spec.name
+            cfg.server_label = spec.name if cfg.server_label == "server" else cfg.server_label
             result = run_bench(cfg)
     else:
         result = run_bench(cfg)
     for path in write_results(result, out):
         print(f"wrote {path}")
-    machine = R.MachineCeilings(**result["machine"])
-    print(machine.describe())
+    print(R.MachineCeilings(**result["machine"]).describe())
     return 1 if any(p["summary"]["num_ok"] == 0 for p in result["points"]) else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_cli(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -327,7 +327,9 @@ def memory_table(infos: list[dict[str, Any]], tier: str) -> list[str]:
 def decode_line(model: str, machine: R.MachineCeilings) -> str:
     """In-process decode at batch 64 against the measured matmul ceiling of the dtype it runs in."""
     try:
-        m = R.engine_decode_step(str(models.model_dir(model)), "auto", 64, 128)
+        from inproc import engine_decode_step
+
+        m = engine_decode_step(model, "auto", 64, 128)
         roof = R.roofline(R.ModelCost.from_dir(m["model_dir"]), machine, 64, m["context"], m["forward_s"], m["dtype"], "forward")
         return f"decode at batch 64 ({model}, {m['dtype']}): {roof.line()}"
     except Exception as exc:  # noqa: BLE001

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import json
 import random
 import sys
@@ -33,26 +32,18 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 
 # Sibling modules and the repository root (testkit) when run by path.
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from client import sse_lines
+import client as C
+import peers
+import workloads as W
 
-from vlm_engine.metrics.scrape import parse_metrics
-
-MIX = {  # request kind -> weight
-    "chat": 4,
-    "chat_stream": 4,
-    "image_chat": 3,
-    "completion": 2,
-    "abort_stream": 2,  # reads a few chunks, then closes the connection
-    "abort_early": 1,  # gives up before the answer (client timeout)
-    "bad_json": 1,
-    "bad_field": 1,
-    "bad_image": 1,
-}
+# Request kind -> weight. abort_stream reads a few chunks, then closes the connection; abort_early gives up
+# before the answer (client timeout).
+MIX = {"chat": 4, "chat_stream": 4, "image_chat": 3, "completion": 2, "abort_stream": 2, "abort_early": 1,
+       "bad_json": 1, "bad_field": 1, "bad_image": 1}  # fmt: skip
 GOOD = {"chat", "chat_stream", "image_chat", "completion"}
 BAD = {"bad_json", "bad_field", "bad_image"}
 IMAGE_POOL = 12
@@ -92,28 +83,19 @@ class SoakReport:
 
     @property
     def passed(self) -> bool:
-        return (
-            not self.unexpected
-            and self.good_answered == self.good
-            and self.bad_rejected == self.bad
-            and self.pages_after <= self.pages_baseline
-            and self.rss_growth < 0.05
-        )
+        answered = self.good_answered == self.good and self.bad_rejected == self.bad
+        return not self.unexpected and answered and self.pages_after <= self.pages_baseline and self.rss_growth < 0.05
 
     def lines(self) -> list[str]:
         windows = ", ".join(f"{p:.0f}" for p in self.p99_by_window_ms)
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(self.by_kind.items()))
         return [
             f"soak: {self.duration_s:.0f} s at concurrency {self.concurrency}: {self.requests} requests ({kinds})",
-            (
-                f"good answered {self.good_answered}/{self.good}, aborted by the client {self.aborted}, "
-                f"bad rejected with a 4xx {self.bad_rejected}/{self.bad}, unexpected {len(self.unexpected)}"
-            ),
+            f"good answered {self.good_answered}/{self.good}, aborted by the client {self.aborted}, "
+            f"bad rejected with a 4xx {self.bad_rejected}/{self.bad}, unexpected {len(self.unexpected)}",
             f"KV pages in use: {self.pages_baseline:.0f} before, {self.pages_after:.0f} after",
-            (
-                f"server RSS: {self.rss_baseline_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB at the end "
-                f"({self.rss_growth * 100:+.1f}%)"
-            ),
+            f"server RSS: {self.rss_baseline_mb:.0f} MB after warm-up, {self.rss_after_mb:.0f} MB at the end "
+            f"({self.rss_growth * 100:+.1f}%)",
             f"p99 latency of good requests per {self.window_s:.0f} s window (ms): {windows}",
             *[f"  unexpected: {u}" for u in self.unexpected],
         ]
@@ -123,30 +105,17 @@ class SoakReport:
 
 
 def image_pool(n: int, seed: int) -> list[str]:
-    """Small PNG data URIs with random content (a fixed pool, so caches reach a steady state)."""
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    uris = []
-    for _ in range(n):
-        w, h = (int(x) for x in rng.integers(32, 160, size=2))
-        pixels = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
-        buf = io.BytesIO()
-        Image.fromarray(pixels).save(buf, format="PNG")
-        uris.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
-    return uris
+    """Small JPEG data URIs of random sizes (a fixed pool, so caches reach a steady state)."""
+    sizes = np.random.default_rng(seed).integers(32, 160, size=(n, 2))
+    return [W.data_uri(W.image_jpeg(seed * 1000 + i, int(w), int(h)), "image/jpeg") for i, (w, h) in enumerate(sizes)]
 
 
 class RequestMaker:
     def __init__(self, model: str, images: list[str], rng: random.Random) -> None:
-        self.model = model
-        self.images = images
-        self.rng = rng
-        self.kinds = list(MIX)
-        self.weights = [MIX[k] for k in self.kinds]
+        self.model, self.images, self.rng = model, images, rng
 
     def kind(self) -> str:
-        return self.rng.choices(self.kinds, self.weights)[0]
+        return self.rng.choices(list(MIX), list(MIX.values()))[0]
 
     def chat(self, stream: bool, image: bool = False) -> dict[str, Any]:
         text = f"Tell me about the number {self.rng.randint(0, 10**6)}."
@@ -165,24 +134,12 @@ class RequestMaker:
         }
 
     def completion(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "prompt": f"Once upon a time {self.rng.random()}",
-            "max_tokens": self.rng.randint(1, 16),
-        }
+        return {"model": self.model, "prompt": f"Once upon a time {self.rng.random()}", "max_tokens": self.rng.randint(1, 16)}
 
     def bad_field(self) -> dict[str, Any]:
         body = self.chat(stream=False)
-        name, value = self.rng.choice(
-            [
-                ("max_tokens", "many"),
-                ("temperature", -3),
-                ("n", 10**6),
-                ("messages", {}),
-                ("stop", [1, 2]),
-                ("top_p", "x"),
-            ]
-        )
+        bad = [("max_tokens", "many"), ("temperature", -3), ("n", 10**6), ("messages", {}), ("stop", [1, 2]), ("top_p", "x")]
+        name, value = self.rng.choice(bad)
         body[name] = value
         return body
 
@@ -216,9 +173,8 @@ async def one_request(http: httpx.AsyncClient, maker: RequestMaker, t_start: flo
                 return outcome(resp.status_code, _is_client_error(resp), resp.text[:200])
             return outcome(resp.status_code, _is_answer(resp), resp.text[:200])
         if kind == "bad_json":
-            resp = await http.post(
-                "/v1/chat/completions", content=b'{"messages": [', headers={"content-type": "application/json"}
-            )
+            headers = {"content-type": "application/json"}
+            resp = await http.post("/v1/chat/completions", content=b'{"messages": [', headers=headers)
             return outcome(resp.status_code, _is_client_error(resp), resp.text[:200])
         if kind in ("chat_stream", "abort_stream"):
             hang_up_after = maker.rng.randint(1, 3) if kind == "abort_stream" else None
@@ -228,7 +184,7 @@ async def one_request(http: httpx.AsyncClient, maker: RequestMaker, t_start: flo
             async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
                 events = 0
                 done = False
-                async for line in sse_lines(resp):
+                async for line in C.sse_lines(resp):
                     if not line.startswith("data: "):
                         continue
                     if line == "data: [DONE]":
@@ -271,7 +227,7 @@ def _is_client_error(resp: httpx.Response) -> bool:
 
 
 def pages_in_use(base_url: str) -> float:
-    return parse_metrics(httpx.get(base_url + "/metrics", timeout=10).text)[PAGES]
+    return (C.scrape_metrics(base_url) or {})[PAGES]
 
 
 def wait_pages_settle(base_url: str, baseline: float, timeout_s: float = 30.0) -> float:
@@ -285,14 +241,7 @@ def wait_pages_settle(base_url: str, baseline: float, timeout_s: float = 30.0) -
 
 
 def tree_rss_mb(pid: int) -> float:
-    root = psutil.Process(pid)
-    total = 0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            total += proc.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total / 2**20
+    return peers.TreeSampler(pid).sample() / 2**20
 
 
 # ---- the soak ---------------------------------------------------------------------------------
@@ -334,21 +283,12 @@ async def soak(
         rss_after = tree_rss_mb(server_pid)
         sampler.cancel()
     pages_after = wait_pages_settle(base_url, pages_baseline)
-    return _report(
-        outcomes, duration_s, concurrency, pages_baseline, pages_after, rss_baseline or rss_after, rss_after, window_s
-    )
+    rss_baseline = rss_baseline or rss_after
+    return _report(outcomes, duration_s, concurrency, pages_baseline, pages_after, rss_baseline, rss_after, window_s)
 
 
-def _report(
-    outcomes: list[Outcome],
-    duration_s: float,
-    concurrency: int,
-    pages_baseline: float,
-    pages_after: float,
-    rss_baseline: float,
-    rss_after: float,
-    window_s: float,
-) -> SoakReport:
+def _report(outcomes: list[Outcome], duration_s: float, concurrency: int, pages_baseline: float, pages_after: float,
+            rss_baseline: float, rss_after: float, window_s: float) -> SoakReport:  # fmt: skip
     good = [o for o in outcomes if o.kind in GOOD]
     bad = [o for o in outcomes if o.kind in BAD]
     unexpected = [f"{o.kind} at {o.finished_at:.1f}s: status {o.status}: {o.detail}" for o in outcomes if not o.ok]
@@ -358,26 +298,10 @@ def _report(
         lat = [o.latency_s for o in good if w * window_s <= o.finished_at < (w + 1) * window_s]
         p99s.append(float(np.percentile(lat, 99)) * 1000 if lat else float("nan"))
         counts.append(len(lat))
-    return SoakReport(
-        duration_s=duration_s,
-        concurrency=concurrency,
-        requests=len(outcomes),
-        by_kind=dict(Counter(o.kind for o in outcomes)),
-        good=len(good),
-        good_answered=sum(o.ok for o in good),
-        aborted=sum(o.kind.startswith("abort") for o in outcomes),
-        bad=len(bad),
-        bad_rejected=sum(o.ok for o in bad),
-        unexpected=unexpected[:20],
-        pages_baseline=pages_baseline,
-        pages_after=pages_after,
-        rss_baseline_mb=rss_baseline,
-        rss_after_mb=rss_after,
-        rss_growth=rss_after / rss_baseline - 1,
-        window_s=window_s,
-        p99_by_window_ms=p99s,
-        requests_by_window=counts,
-    )
+    aborted = sum(o.kind.startswith("abort") for o in outcomes)
+    return SoakReport(duration_s, concurrency, len(outcomes), dict(Counter(o.kind for o in outcomes)), len(good),
+                      sum(o.ok for o in good), aborted, len(bad), sum(o.ok for o in bad), unexpected[:20], pages_baseline,
+                      pages_after, rss_baseline, rss_after, rss_after / rss_baseline - 1, window_s, p99s, counts)  # fmt: skip
 
 
 def main() -> int:
@@ -396,13 +320,11 @@ def main() -> int:
             ap.error("--url needs --pid (the server process whose RSS is watched)")
         report = asyncio.run(soak(args.url, args.pid, args.duration, args.concurrency, args.seed, "m", args.window))
     else:
-        from servers import ManagedServer, ServerSpec
-
         from testkit.checkpoints import cached_qwen2_vl
 
         model = args.model or str(cached_qwen2_vl("tiny"))
-        spec = ServerSpec("ours", model, dtype="float32", extra_args=("--served-model-name", "m"), kv_tokens=16384)
-        with ManagedServer(spec, Path(tempfile.mkdtemp(prefix="soak-"))) as server:
+        spec = peers.ServerSpec("ours", model, dtype="float32", extra_args=("--served-model-name", "m"), kv_tokens=16384)
+        with peers.ManagedServer(spec, Path(tempfile.mkdtemp(prefix="soak-"))) as server:
             assert server.proc is not None
             report = asyncio.run(
                 soak(server.base_url, server.proc.pid, args.duration, args.concurrency, args.seed, "m", args.window)

