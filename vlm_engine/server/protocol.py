@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.server.request_models import ERRORS, ChatBody, CompletionBody
+from vlm_engine.server.request_models import ERRORS, ChatBody, CompletionBody, StreamOptions
 from vlm_engine.structured.spec import (
     StructuredOutput,
     StructuredOutputError,
@@ -259,7 +259,7 @@ def _generate(
     except ValueError as exc:
         message = str(exc)
         raise ApiError(400, message, param=message.split(" ", 1)[0] if message else None) from exc
-    options = typed(req.stream_options, dict[str, Any], "stream_options") if req.stream else {}
+    options = typed(req.stream_options, StreamOptions, "stream_options") if req.stream else StreamOptions()
     return GenerateRequest(
         kind=kind,
         model=served_model,
@@ -267,8 +267,8 @@ def _generate(
         n=req.n,
         sampling=sampling,
         stream=req.stream,
-        include_usage=bool(options.get("include_usage", False)),
-        continuous_usage=bool(options.get("continuous_usage_stats", False)),
+        include_usage=bool(options.include_usage),
+        continuous_usage=bool(options.continuous_usage_stats),
         return_token_ids=req.return_token_ids,
         **fields,
     )

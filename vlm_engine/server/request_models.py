@@ -26,12 +26,17 @@ NonEmptyStr = Annotated[str, Meta(min_length=1)]
 NonEmptyArray = Annotated[list[Any], Meta(min_length=1)]
 
 
+class StreamOptions(Struct):
+    include_usage: Any = False  # truthy values, as ever
+    continuous_usage_stats: Any = False
+
+
 class _Generate(Struct, kw_only=True):
     """What chat and completions share."""
 
     n: Int64 = 1
     stream: bool = False
-    stream_options: Any = {}  # read (an object of truthy flags) only when streaming, as ever
+    stream_options: Any = {}  # a StreamOptions, read only when streaming, as ever
     temperature: Number = 1.0
     top_p: Number = 1.0
     top_k: Int64 = 0
