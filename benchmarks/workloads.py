@@ -25,19 +25,13 @@ import io
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Protocol
+from typing import Any
 
 # Server flavours differ in which non-standard fields they accept (PEERS.md: `transformers serve`
 # answers 422 to unknown fields such as `ignore_eos`).
 FLAVORS = ("vlm-engine", "vllm", "sglang", "llamacpp", "transformers", "openai")
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -113,16 +107,15 @@ def english_text(num_words: int, seed: int) -> str:
     return " ".join(sentences)
 
 
-def text_of_tokens(num_tokens: int, seed: int, tokenizer: Tokenizer | None) -> str:
+def text_of_tokens(num_tokens: int, seed: int, tokenizer: Any) -> str:
     """Deterministic text of about `num_tokens` tokens under `tokenizer` (exact up to the
     re-tokenisation of the cut). Without a tokenizer: ~4 characters per token, calibrated later
     from the server's `usage.prompt_tokens`."""
     if num_tokens <= 0:
         return ""
-    if tokenizer is None:
-        text = english_text(num_tokens, seed)
-        return text[: 4 * num_tokens].rsplit(" ", 1)[0]
     text = english_text(num_tokens, seed)  # >= 1 token per word, so long enough
+    if tokenizer is None:
+        return text[: 4 * num_tokens].rsplit(" ", 1)[0]
     ids = tokenizer.encode(text, add_special_tokens=False)
     while len(ids) < num_tokens:
         text += " " + english_text(num_tokens, seed + len(ids) + 1)
@@ -155,22 +148,14 @@ def image_jpeg(seed: int, width: int = 320, height: int = 240) -> bytes:
 
 @lru_cache(maxsize=8)
 def video_mp4(seed: int, frames: int, width: int = 320, height: int = 240, fps: int = 2) -> bytes:
-    """A short seeded H.264 clip (PyAV) — each frame one of `image_jpeg`'s pictures."""
-    import av
+    """A short seeded H.264 clip, each frame one of `image_jpeg`'s pictures."""
     import numpy as np
     from PIL import Image
 
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for i in range(frames):
-            rgb = np.asarray(Image.open(io.BytesIO(image_jpeg(seed * 1000 + i, width, height))).convert("RGB"))
-            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    from testkit.videos import encode_clip
+
+    pictures = [Image.open(io.BytesIO(image_jpeg(seed * 1000 + i, width, height))).convert("RGB") for i in range(frames)]
+    return encode_clip([np.asarray(p) for p in pictures], fps)
 
 
 @lru_cache(maxsize=32)
@@ -380,7 +365,7 @@ class RequestFactory:
     model: str | None
     flavor: str = "vlm-engine"
     seed: int = 0
-    tokenizer: Tokenizer | None = None
+    tokenizer: Any = None
     _prefix: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -484,7 +469,3 @@ def sent_fields(flavor: str) -> list[str]:
     """Which request fields this flavour sends (recorded in every result JSON)."""
     base = ["model", "messages", "max_tokens", "temperature", "stream", "stream_options"]
     return base + sorted(length_fields(flavor, 1))
-
-
-def spec_dict(spec: WorkloadSpec) -> dict[str, Any]:
-    return asdict(spec)
