@@ -198,6 +198,12 @@ class ReasoningItem(Struct, tag_field="type", tag="reasoning"):
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
+class InputItems(Struct):
+    """`input` as items (a Struct: msgspec caches its decoder, not a bare list[...]'s)."""
+
+    input: list[InputItem]
+
+
 # ---- the errors msgspec words differently ---------------------------------------------------------
 
 # Path (indices as [], dict keys as [...]) -> message, or (message, param). Templates see `path`,

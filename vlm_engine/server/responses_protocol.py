@@ -206,7 +206,7 @@ def input_messages(value: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
     # A message item may leave its type out (the SDK's EasyInputMessage); a tagged union may not.
     value = [{"type": "message", **i} if isinstance(i, dict) and "type" not in i and "role" in i else i for i in value]
     out: list[tuple[dict[str, Any], str]] = []
-    for i, item in enumerate(P.typed(value, list[M.InputItem], "input")):
+    for i, item in enumerate(P.typed({"input": value}, M.InputItems).input):
         where = f"input[{i}]"
         if isinstance(item, M.MessageItem):
             out.append((_message(item, where), where))
