@@ -1,9 +1,8 @@
 """Request bodies as types: what each endpoint accepts, declared once; `protocol.typed` converts.
 
 msgspec, not pydantic: the API process already decodes every body (and the IPC) with msgspec;
-converting a typical decoded chat body into ChatBody takes under a microsecond, where pydantic
-2's strict validation of the same model took tens (measured side by side, issue 48), on the hot
-path of every request. msgspec is as strict as the hand checks it replaces (no "5" -> 5, no
+converting a typical decoded chat body into ChatBody takes ~0.35 us, pydantic 2's strict
+validation of the same model ~2.5 us (side by side, issue 48), on the hot path of every request. msgspec is as strict as the hand checks it replaces (no "5" -> 5, no
 true -> 1; an integer is a number), stops at the first error, and names it by a JSON path
 (`$.input[0].role`) that is already the `param` clients are told. What its words do not say as
 this server always has, `ERRORS` does, through the one mapper (`protocol.typed`).
