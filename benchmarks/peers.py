@@ -1,16 +1,12 @@
-"""The servers under test, as small adapters: ours (`vlm-engine serve`), llama.cpp's `llama-server`
-(with mtmd's `--mmproj` for images), `transformers serve --continuous-batching`, vLLM's CPU build and,
-on CUDA machines, SGLang. A peer is one function from (spec, port) to a command line plus its request
-flavour (workloads.FLAVORS); a new peer is one more entry in ADAPTERS.
+"""The servers under test as small adapters (ADAPTERS: a command line and a request flavour each): ours
+(`vlm-engine serve`), llama.cpp's `llama-server` (mtmd's `--mmproj` for images), `transformers serve
+--continuous-batching`, vLLM's CPU build and, on CUDA machines, SGLang. A *side* is a named server on a model
+("ours int4", "llama.cpp Q4_K_M + mmproj", "transformers bf16" ...): `side_spec` makes its ServerSpec, converting or
+quantizing the GGUF files a llama.cpp side needs with that tree's own tools (PEERS.md), once, cached.
 
-A *side* is a named server on a model: "ours", "ours int4", "llama.cpp F32", "llama.cpp Q4_K_M + mmproj",
-"transformers bf16", "vllm" ... `side_spec` turns the name into a ServerSpec, converting or quantizing the
-GGUF files a llama.cpp side needs with that tree's own tools (PEERS.md), once, cached.
-
-Each server runs in its own session (process group) with its log in a file; stopping it signals the whole
-group (SIGTERM, then SIGKILL after a grace period), so no worker outlives a run, even when the benchmark
-fails or is interrupted. `python benchmarks/peers.py convert TREE -- CONVERTER_ARGS` runs llama.cpp's
-converter with two assumptions our locally built checkpoints break widened (see widen_converter).
+Each server runs in its own process group with its log in a file; stopping it signals the whole group, so no
+worker outlives a run. `python benchmarks/peers.py convert TREE -- ARGS` runs llama.cpp's converter with two
+assumptions our locally built checkpoints break widened (widen_converter).
 """
 
 from __future__ import annotations
