@@ -44,7 +44,7 @@ fp32 with bf16 weights (`bf16_weights`, what `dtype="auto"` runs on a CPU withou
 products): the fp32 model's linears keep fp32 activations and sums but store their weights as
 bf16 panels, rounded once at load: half the bytes to stream. All SmolLM2 linears of a step on the
 Sapphire Rapids forced to AVX2, fp32 vs bf16 panels: M=1 24.3 vs 14.8 ms, M=16 47.4 vs 37.2, M=64
-110.4 vs 100.8 (benchmarks/quant_linears.py).
+110.4 vs 100.8 (benchmarks/inproc.py linears).
 """
 
 from __future__ import annotations

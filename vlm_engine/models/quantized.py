@@ -2,7 +2,7 @@
 
 Decode at low concurrency streams every weight once per token, so bytes per weight decide its
 speed: on the 2-core Sapphire Rapids all SmolLM2 linears of a batch-1 step take ~29 ms in fp32,
-~17 ms on bf16 panels, ~7 ms int8 and ~4.5 ms int4 (benchmarks/quant_linears.py). The schemes are
+~17 ms on bf16 panels, ~7 ms int8 and ~4.5 ms int4 (benchmarks/inproc.py linears). The schemes are
 llama.cpp's Q8_0 and Q4_1 (groups of 32 inputs, fp16 scale and, for int4, fp16 minimum):
 quantizing weights that came from a Q4_1 GGUF file gives back the file's codes, so a llama.cpp
 quantized model is served with the numbers llama.cpp uses. The layers take and return fp32; inside,

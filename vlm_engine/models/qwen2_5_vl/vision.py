@@ -23,7 +23,7 @@ round products to bf16 first: both stay within bf16's own error of the fp32 mode
 
 What remains is the linears (~85% of the time: prepacked by the engine, `models/prepack.py`) and
 full attention (SDPA's flash kernel, ~50 GFLOP/s on this CPU: 1.4 s per full block at 3,996
-patches). benchmarks/vision_encoder.py, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
+patches). benchmarks/inproc.py vision, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
 shared with other jobs, min of 5 runs, ms (Transformers / ours / ours with prepacked linears):
 448x448 6116 / 2776 / 2364, 1024x768 10352 / 9386 / 8808.
 """
