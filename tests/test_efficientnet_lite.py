@@ -11,7 +11,7 @@ from PIL import Image
 from skimage import data as skimage_data  # scikit-image: the [test] extra
 
 from tests.kernel_builds import setup_missing
-from vlm_engine.models.placard.efficientnet_lite import (
+from vlm_engine.models.families.placard.efficientnet_lite import (
     EfficientNetLite0,
     imagenet_labels,
     lite0_weights_path,

@@ -21,7 +21,7 @@ from tests.released_configs import GEMMA_3_1B, GEMMA3_TEXT, gemma3_config
 from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.models import loader
-from vlm_engine.models.gemma3.model import Gemma3ForCausalLM
+from vlm_engine.models.families.gemma3.model import Gemma3ForCausalLM
 
 GEMMA3 = family("gemma3")
 CONVERSATIONS = GEMMA3.conversations

@@ -65,7 +65,7 @@ def test_equals_the_reference_composition_in_transformers(engine: Engine) -> Non
     from torchvision.models import EfficientNet_B0_Weights
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vlm_engine.models.placard.efficientnet_lite import load_efficientnet_lite0, preprocess
+    from vlm_engine.models.families.placard.efficientnet_lite import load_efficientnet_lite0, preprocess
 
     source = engine.source
     tokenizer = AutoTokenizer.from_pretrained(str(source.directory), gguf_file=source.gguf_file)

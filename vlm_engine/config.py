@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, dataclass, field, fields, is_dataclass, replace
 from typing import Any, Self, TypeVar
 
-DEFAULT_MODEL = "placard-default"  # the embedded default that sees images (vlm_engine/models/placard/)
+DEFAULT_MODEL = "placard-default"  # the embedded default that sees images (vlm_engine/models/families/placard/)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NUMERICS = ("fast", "exact")
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes of vlm_engine.models.quantized

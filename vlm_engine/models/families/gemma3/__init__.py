@@ -3,13 +3,13 @@ table per layer type) over the shared SigLIP tower and an average-pool projector
 each other both ways. Gemma3ForCausalLM text checkpoints (gemma-3-1b) are its decoder alone."""
 
 from vlm_engine.models.family import ModelFamily
-from vlm_engine.models.gemma3.prompts import gemma3_prompts
+from vlm_engine.models.families.gemma3.prompts import gemma3_prompts
 
 FAMILY = ModelFamily(
     name="gemma3",
     model_classes={
-        "Gemma3ForConditionalGeneration": "vlm_engine.models.gemma3.model:Gemma3ForConditionalGeneration",
-        "Gemma3ForCausalLM": "vlm_engine.models.gemma3.model:Gemma3ForCausalLM",
+        "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3.model:Gemma3ForConditionalGeneration",
+        "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3.model:Gemma3ForCausalLM",
     },
     prompts=gemma3_prompts,
 )

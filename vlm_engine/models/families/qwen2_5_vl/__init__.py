@@ -7,7 +7,7 @@ from vlm_engine.models.mrope import MRopePrompts
 FAMILY = ModelFamily(
     name="qwen2_5_vl",
     model_classes={
-        "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.qwen2_5_vl.model:Qwen2_5_VLForConditionalGeneration",
+        "Qwen2_5_VLForConditionalGeneration": "vlm_engine.models.families.qwen2_5_vl.model:Qwen2_5_VLForConditionalGeneration",
     },
     prompts=MRopePrompts,
 )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.layers import GatedMLP
-from vlm_engine.models.qwen3_vl.vision import Qwen3VisionTower
+from vlm_engine.models.families.qwen3_vl.vision import Qwen3VisionTower
 from vlm_engine.models.qwen_vl import QwenVLForConditionalGeneration
 
 

@@ -17,8 +17,8 @@ from preprocess.video import DecodedVideo, uniform_indices
 from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
 from vlm_engine.models.hf_prompts import TokenizerPrompts, item_hash
-from vlm_engine.models.placard import labeller
-from vlm_engine.models.placard.efficientnet_lite import preprocess as classifier_input
+from vlm_engine.models.families.placard import labeller
+from vlm_engine.models.families.placard.efficientnet_lite import preprocess as classifier_input
 
 _IMAGE_MARKER = "\x00image\x00"  # where an image sits in the rendered template
 _VIDEO_MARKER = "\x00video\x00"

@@ -6,9 +6,9 @@ from vlm_engine.models.hf_prompts import TokenizerPrompts
 FAMILY = ModelFamily(
     name="llama",
     model_classes={
-        "LlamaForCausalLM": "vlm_engine.models.llama.model:LlamaForCausalLM",
-        "MistralForCausalLM": "vlm_engine.models.llama.model:LlamaForCausalLM",
-        "Qwen2ForCausalLM": "vlm_engine.models.llama.model:Qwen2ForCausalLM",
+        "LlamaForCausalLM": "vlm_engine.models.families.llama.model:LlamaForCausalLM",
+        "MistralForCausalLM": "vlm_engine.models.families.llama.model:LlamaForCausalLM",
+        "Qwen2ForCausalLM": "vlm_engine.models.families.llama.model:Qwen2ForCausalLM",
     },
     prompts=TokenizerPrompts,
 )

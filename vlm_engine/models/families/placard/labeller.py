@@ -37,14 +37,14 @@ class ImageLabeller:
     """The vision tower as the preprocess worker runs it: images -> label token ids."""
 
     def __init__(self, tokenizer: Any) -> None:
-        from vlm_engine.models.placard.efficientnet_lite import load_efficientnet_lite0
+        from vlm_engine.models.families.placard.efficientnet_lite import load_efficientnet_lite0
 
         self.tokenizer = tokenizer
         self.classifier = load_efficientnet_lite0()
 
     def labels(self, pixels: torch.Tensor) -> list[list[tuple[str, float]]]:
         """Top-K (label, probability) for each image of a [B, 3, 224, 224] batch."""
-        from vlm_engine.models.placard.efficientnet_lite import top_labels
+        from vlm_engine.models.families.placard.efficientnet_lite import top_labels
 
         with torch.inference_mode():
             return top_labels(self.classifier(pixels.float()), TOP_K)

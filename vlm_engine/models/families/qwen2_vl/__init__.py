@@ -7,7 +7,7 @@ from vlm_engine.models.mrope import MRopePrompts
 FAMILY = ModelFamily(
     name="qwen2_vl",
     model_classes={
-        "Qwen2VLForConditionalGeneration": "vlm_engine.models.qwen2_vl.model:Qwen2VLForConditionalGeneration",
+        "Qwen2VLForConditionalGeneration": "vlm_engine.models.families.qwen2_vl.model:Qwen2VLForConditionalGeneration",
     },
     prompts=MRopePrompts,
 )

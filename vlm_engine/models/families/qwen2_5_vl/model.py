@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vlm_engine.models.qwen2_5_vl.vision import Qwen25VisionTower
+from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
 from vlm_engine.models.qwen_vl import QwenVLForConditionalGeneration
 
 

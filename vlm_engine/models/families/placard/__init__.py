@@ -27,12 +27,12 @@ Design, written down:
 """
 
 from vlm_engine.models.family import ModelFamily
-from vlm_engine.models.placard.labeller import ARCHITECTURE, placard_config
-from vlm_engine.models.placard.prompts import PlacardPrompts
+from vlm_engine.models.families.placard.labeller import ARCHITECTURE, placard_config
+from vlm_engine.models.families.placard.prompts import PlacardPrompts
 
 FAMILY = ModelFamily(
     name="placard",
-    model_classes={ARCHITECTURE: "vlm_engine.models.placard.model:PlacardForConditionalGeneration"},
+    model_classes={ARCHITECTURE: "vlm_engine.models.families.placard.model:PlacardForConditionalGeneration"},
     prompts=PlacardPrompts,
     adapt_config=placard_config,  # the embedded SmolLM2 GGUF reads as Llama
 )
