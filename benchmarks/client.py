@@ -241,9 +241,9 @@ class LoadPoint:
         return f"c={int(self.value)}" if self.mode == "closed" else f"rate={self.value:g}/s"
 
 
-def _client(limit: int, timeout_s: float, headers: dict[str, str] | None) -> httpx.AsyncClient:
+def _client(limit: int, timeout_s: float) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=limit + 4, max_keepalive_connections=limit + 4)
-    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0), headers=headers)
+    return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0))
 
 
 async def run_point(
@@ -252,7 +252,6 @@ async def run_point(
     point: LoadPoint,
     seed: int = 0,
     first_index: int = 0,
-    headers: dict[str, str] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Run one load point; returns the records (in index order) and the wall duration (first send
     to last completion)."""
@@ -260,7 +259,7 @@ async def run_point(
         raise ValueError(f"unknown mode {point.mode!r}")
     closed = point.mode == "closed"
     limit = max(1, int(point.value)) if closed else point.max_inflight
-    async with _client(limit, point.request_timeout_s, headers) as client:
+    async with _client(limit, point.request_timeout_s) as client:
         if closed:
             records = await _closed_loop(client, url, build, point, first_index)
         else:
@@ -317,19 +316,17 @@ async def _open_loop(client: httpx.AsyncClient, url: str, build: Callable[[int],
 # ---- server probes -------------------------------------------------------------------------------
 
 
-async def probe(
-    url: str, req: BenchRequest, timeout_s: float = 300.0, headers: dict[str, str] | None = None
-) -> RequestRecord:
-    """Send one request alone (warm-up, or a capability check such as video support)."""
-    async with _client(1, timeout_s, headers) as client:
+async def probe(url: str, req: BenchRequest, timeout_s: float = 300.0) -> RequestRecord:
+    """Send one request alone (a warm-up or a probe)."""
+    async with _client(1, timeout_s) as client:
         record = RequestRecord(req.index, req.media, req.output_tokens)
         return await send_request(client, url, req, time.perf_counter(), timeout_s, record)
 
 
-def served_model_id(base_url: str, headers: dict[str, str] | None = None) -> str | None:
+def served_model_id(base_url: str) -> str | None:
     """The first model id from GET /v1/models, or None if the server does not say."""
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=10.0)
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=10.0)
         data = r.json().get("data") or []
         return data[0]["id"] if r.status_code == 200 and data else None
     except (httpx.HTTPError, ValueError, KeyError, IndexError):

@@ -1,22 +1,6 @@
-"""The in-process harness: measurements that run the engine, its kernels or its preprocessing inside this
-process. One CLI, one way to build engines and prompts, one decode-step loop over the engine's public step
-(`Engine.step()` and its `last_step` StepStats), the timing loops of stats.py, one results file.
-
-    .venv/bin/python benchmarks/inproc.py NAME [options] [--out DIR]
-
-    host       host time per decode step against batch size, the forward apart (+ grammar masks: --schema)
-    decode     SmolLM2 greedy tok/s through Engine.chat at batch 1 and --batch, beside HF generate (make bench)
-    roofline   in-process decode at --batch against the machine's ceilings (roofline.py's arithmetic)
-    attention  the fused CPU paged-attention op against the torch paths, one layer, µs per call
-    linears    every SmolLM2 linear of a decode step under the int4 / int8 / bf16 / fp32 kernels
-    vision     our Qwen2.5-VL vision tower against Transformers', 3B-shaped, random weights
-    video      video preprocessing: our sampler against decoding every frame, the frame cache, share of TTFT
-    batch      `vlm-engine batch` items/s: in-process, through one server, and a plain Transformers loop
-    gemma3     Gemma 3's sliding-window pool: KV held after a long prefill, decode tok/s, window on and off
-    grammar    llguidance against xgrammar: compile times, coverage, mask fill per token (grammar_libraries.py)
-
-Every run prints the CPU tier first and writes benchmarks/results/<name>-<time>/results.json (host: a PNG too).
-"""
+"""The in-process harness: `inproc.py NAME [options]` runs one measurement (host, decode, roofline, linears,
+vision, video, batch, gemma3, grammar) inside this process and writes benchmarks/results/<name>-<time>/results.json.
+See benchmarks/README.md, "Other commands" and the sections that cite each measurement."""
 
 from __future__ import annotations
 
@@ -285,63 +269,7 @@ def roofline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return m | {"machine": machine.describe()}
 
 
-# ---- kernels: attention, linears, the vision tower ----------------------------------------------------------
-
-
-def paged_case(q_lens: list[int], kv_lens: list[int], dtype: Any, heads: tuple[int, int, int] = (9, 3, 64),
-               page_size: int = 16) -> tuple[Any, ...]:  # fmt: skip
-    """(q, k_cache, v_cache, block_table, seq_lens, query_start_loc): SmolLM2's heads, scattered page ids."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    hq, hkv, d = heads
-    n_pages = [-(-n // page_size) for n in kv_lens]
-    total = sum(n_pages) + 8
-    k, v = (torch.randn(total, page_size, hkv, d, generator=g).to(dtype) for _ in range(2))
-    perm, table = torch.randperm(total, generator=g), torch.zeros(len(q_lens), max(n_pages), dtype=torch.int32)
-    for b, n in enumerate(n_pages):
-        table[b, :n] = perm[sum(n_pages[:b]) : sum(n_pages[: b + 1])].to(torch.int32)
-    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.tensor(q_lens).cumsum(0)
-    q = torch.randn(int(qsl[-1]), hq, d, generator=g).to(dtype)
-    return q, k, v, table, torch.tensor(kv_lens, dtype=torch.int32), qsl, d**-0.5
-
-
-@measurement(
-    "attention",
-    opt("--batch", 32, "decode sequences, KV lengths uniform in [100, 1000]"),
-    opt("--prefill", False, "also one 512-token prefill chunk after 256 cached"),
-    opt("--no-reference", False, "skip the slow per-sequence reference"),
-)
-def attention(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    import torch
-
-    from vlm_engine.attention.cpu_kernel import load_paged_attention
-    from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
-
-    op = load_paged_attention()
-    kv_lens = torch.randint(100, 1001, (args.batch,), generator=torch.Generator().manual_seed(1)).tolist()
-    cases = [("decode", [1] * args.batch, kv_lens)] + ([("prefill512+256cached", [512], [768])] if args.prefill else [])
-    if op is not None:
-        cases.append(("call overhead", [1], [1]))
-    rows = []
-    with torch.inference_mode():
-        for name, q_lens, kv in cases:
-            for dtype in (torch.float32, torch.bfloat16)[: 1 if name == "call overhead" else 2]:
-                case = paged_case(q_lens, kv, dtype)
-                out_ = torch.empty_like(case[0])
-                paths = {"fused op (out=)": lambda: op(*case, out=out_)} if op is not None else {}
-                if name != "call overhead":
-                    paths["torch padded"] = lambda: paged_attention_torch(*case)
-                    if not args.no_reference:
-                        paths["torch reference"] = lambda: paged_attention_reference(*case)
-                for path, fn in paths.items():
-                    times, _ = S.timed(fn, repeats=20_000 if name == "call overhead" else 2000, min_s=0.5, warmup=2)
-                    rows.append([name, str(dtype).removeprefix("torch."), path, f"{1e6 * S.median(times):.1f}",
-                                 f"{1e6 * min(times):.1f}"])  # fmt: skip
-    print(f"fused op: {'yes' if op is not None else 'NO (fallback)'}; B={args.batch}, Hq 9, Hkv 3, D 64, pages of 16")
-    print("\n".join(S.md_table(["case", "dtype", "path", "µs/call median", "best"], rows)))
-    return {"rows": rows}
+# ---- kernels: linears, the vision tower ----------------------------------------------------------
 
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
@@ -411,7 +339,7 @@ def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed
         theirs.load_state_dict(state, strict=True)
         return theirs.to(dtype)
     from vlm_engine.models.prepack import prepack_linears, prepack_supported
-    from vlm_engine.models.qwen2_5_vl.vision import Qwen25VisionTower
+    from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
 
     if packed and not prepack_supported(torch.device("cpu"), dtype):
         return None
@@ -446,7 +374,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     full = [i for i in range(args.depth) if i % 8 == 7] if args.depth != 32 else VISION_3B["fullatt_block_indexes"]
     cfg = Qwen2_5_VLVisionConfig(**(VISION_3B | {"depth": args.depth, "fullatt_block_indexes": full}))
     cfg._attn_implementation = "sdpa"
-    from vlm_engine.models.qwen2_5_vl.vision import Qwen25VisionTower
+    from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
 
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Qwen25VisionTower(cfg).state_dict().items()}

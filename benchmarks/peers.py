@@ -1,13 +1,6 @@
-"""The servers under test as small adapters (ADAPTERS: a command line and a request flavour each): ours
-(`vlm-engine serve`), llama.cpp's `llama-server` (mtmd's `--mmproj` for images), `transformers serve
---continuous-batching`, vLLM's CPU build and, on CUDA machines, SGLang. A *side* is a named server on a model
-("ours int4", "llama.cpp Q4_K_M + mmproj", "transformers bf16" ...): `side_spec` makes its ServerSpec, converting or
-quantizing the GGUF files a llama.cpp side needs with that tree's own tools (PEERS.md), once, cached.
-
-Each server runs in its own process group with its log in a file; stopping it signals the whole group, so no
-worker outlives a run. `python benchmarks/peers.py convert TREE -- ARGS` runs llama.cpp's converter with two
-assumptions our locally built checkpoints break widened (widen_converter).
-"""
+"""The servers under test as adapters (ADAPTERS: a command line and a request flavour each), a side name ->
+its ServerSpec (side_spec), llama.cpp's build, converter and quantizer, process groups and RSS / CPU sampling.
+benchmarks/README.md, "The one command", says what each side runs."""
 
 from __future__ import annotations
 
@@ -141,17 +134,11 @@ def _vllm_env(spec: ServerSpec) -> dict[str, str]:
     }
 
 
-def _sglang(spec: ServerSpec, port: int) -> list[str]:
-    launcher = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_dir]
-    return [*launcher, *_shared(spec, port), "--served-model-name", spec.model_dir, *spec.extra_args]
-
-
 ADAPTERS: dict[str, Adapter] = {
     "ours": Adapter("vlm-engine", _ours),
     "llamacpp": Adapter("llamacpp", _llamacpp),
     "transformers": Adapter("transformers", _transformers),
     "vllm": Adapter("vllm", _vllm, _vllm_env),
-    "sglang": Adapter("sglang", _sglang),
 }
 KINDS = tuple(ADAPTERS)
 
@@ -474,7 +461,7 @@ def shipped_q4_1() -> Path:
 def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int | None,
               llama: LlamaCpp | None = None, server_args: tuple[str, ...] = (), llama_args: tuple[str, ...] = ()) -> ServerSpec:  # fmt: skip
     """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack], llama.cpp <GGUF type>,
-    transformers [<dtype>], vllm [<dtype>], sglang [<dtype>]. `model` is a models.Model row."""
+    transformers [<dtype>], vllm [<dtype>]. `model` is a models.Model row."""
     base, _, extra = name.partition(" + ")
     peer, _, variant = base.partition(" ")
     dtypes = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
@@ -504,7 +491,7 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
         ctx = model.llama_ctx(hf_dir, slots) if model.llama_ctx else (kv_tokens or 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
-    if peer in ("transformers", "vllm", "sglang"):
+    if peer in ("transformers", "vllm"):
         return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), label=name, kv_tokens=kv_tokens)
     raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(KINDS[2:])}")
 

@@ -1,18 +1,6 @@
-"""Drive any OpenAI-compatible chat endpoint with the workloads (workloads.py), closed loop at fixed
-concurrencies and open loop (Poisson) at fixed rates, and write JSON (config, per-request records, summaries)
-plus PNG plots. `vlm-engine bench ARGS` runs this script.
-
-    # a server already running on :8000 (ours: `vlm-engine serve --model DIR --port 8000`)
-    .venv/bin/python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --model-dir DIR \\
-        --workload data --concurrency 1,4,16 --rate 0.5,1 --num-requests 32
-    # or let it start one (ours | transformers | vllm | sglang) on --model-dir and stop it afterwards
-    .venv/bin/python benchmarks/serve_bench.py --start ours --model-dir DIR --workload data --concurrency 16
-
-Payloads are deterministic, so two servers see byte-identical requests. `--flavor` (auto-detected by default)
-decides which non-standard fields pin output lengths: `ignore_eos` for vlm-engine/vLLM/SGLang, a
-`generation_config` with min_new_tokens for `transformers serve` (which answers 422 to unknown fields); the JSON
-records what was sent.
-"""
+"""One server (running, or started with --start) under the workloads, closed loop at fixed concurrencies and open
+loop (Poisson) at fixed rates: results.json and PNG plots. `vlm-engine bench ARGS` runs it; side_by_side.py calls
+run_bench. Commands: benchmarks/README.md, "Other commands"."""
 
 from __future__ import annotations
 
@@ -38,7 +26,6 @@ import workloads as W
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WARMUP_INDEX = 900_000  # warm-up requests use their own indices: no image repeats a measured one
-SPEC_FIELDS = ("shared_prefix_tokens", "user_tokens", "output_tokens", "image_size", "shared_image_prob", "video_frames")
 
 
 @dataclass
@@ -58,7 +45,6 @@ class BenchConfig:
     seed: int = 0
     server_label: str = "server"
     dtype: str | None = None  # served dtype, for the roofline (None: served_dtype's guess)
-    api_key: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)  # WorkloadSpec fields
     # Index of the first measured request. A caller that runs one point per call passes the
     # requests already sent, so a later point's prompts and images are fresh, not cache hits.
@@ -67,10 +53,6 @@ class BenchConfig:
     @property
     def chat_url(self) -> str:
         return self.base_url.rstrip("/") + "/v1/chat/completions"
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
 
 def load_tokenizer(model_dir: str | None) -> Any:
@@ -104,7 +86,7 @@ def detect_flavor(cfg: BenchConfig, model: str | None) -> str:
     """Which length-pinning fields the server accepts, by trying them on a 1-token request."""
     for flavor in ("vlm-engine", "transformers", "openai"):
         payload = W.chat_payload([{"role": "user", "content": "Hi"}], 1, model, flavor)
-        record = asyncio.run(C.probe(cfg.chat_url, W.BenchRequest(-1, payload, 1, "none"), 600.0, cfg.headers))
+        record = asyncio.run(C.probe(cfg.chat_url, W.BenchRequest(-1, payload, 1, "none"), 600.0))
         if record.ok:
             return flavor
         if record.status not in (400, 422):
@@ -142,9 +124,7 @@ def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, to
     spec = W.workload_spec(name, **cfg.overrides)
     text_only = cfg.text_only if cfg.text_only is not None else bool(cfg.model_dir) and not models.model_of(cfg.model_dir).vision
     factory = W.RequestFactory(W.text_only(spec) if text_only else spec, model, flavor, cfg.seed, tokenizer)
-    probe = lambda i: asyncio.run(C.probe(cfg.chat_url, factory.build(i), cfg.request_timeout_s, cfg.headers))  # noqa: E731
-    if factory.spec.video_frames > 0 and not (record := probe(WARMUP_INDEX - 1)).ok:
-        return [], f"video unsupported by this server: {record.error}"
+    probe = lambda i: asyncio.run(C.probe(cfg.chat_url, factory.build(i), cfg.request_timeout_s))  # noqa: E731
     for k in range(cfg.warmup):
         if not (record := probe(WARMUP_INDEX + k)).ok:
             log(f"  warm-up request failed: {record.error}")
@@ -153,7 +133,7 @@ def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, to
     for mode, value in loads:
         point = C.LoadPoint(mode, value, cfg.num_requests, cfg.max_duration_s, cfg.request_timeout_s)
         before = C.scrape_metrics(cfg.base_url)
-        run = C.run_point(cfg.chat_url, factory.build, point, cfg.seed, first_index, cfg.headers)
+        run = C.run_point(cfg.chat_url, factory.build, point, cfg.seed, first_index)
         records, duration = asyncio.run(run)
         summary = S.summarize(records, duration)
         roof = point_roofline(cfg, point, summary, before, C.scrape_metrics(cfg.base_url))
@@ -169,7 +149,7 @@ def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, to
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     started = time.time()
-    model = cfg.model or C.served_model_id(cfg.base_url, cfg.headers)
+    model = cfg.model or C.served_model_id(cfg.base_url)
     flavor = detect_flavor(cfg, model) if cfg.flavor == "auto" else cfg.flavor
     log(f"{cfg.server_label}: {cfg.base_url} model={model!r} flavor={flavor} fields={W.sent_fields(flavor)}")
     tokenizer, machine = load_tokenizer(cfg.model_dir), R.machine_ceilings()
@@ -181,7 +161,7 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
         if reason:
             log(f"{name}: skipped ({reason})")
             skipped.append({"workload": name, "reason": reason})
-    return {"config": {**asdict(cfg), "api_key": bool(cfg.api_key)}, "server": cfg.server_label, "model": model,
+    return {"config": asdict(cfg), "server": cfg.server_label, "model": model,
             "flavor": flavor, "fields_sent": W.sent_fields(flavor), "machine": asdict(machine), "started": started,
             "finished": time.time(), "points": points, "skipped": skipped}  # fmt: skip
 
@@ -210,44 +190,28 @@ def token_range(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
     p.add_argument("--workload", default="chatbot,agent,data", help="comma list of: " + ", ".join(W.WORKLOAD_NAMES))
     p.add_argument("--concurrency", type=numbers(int), default=[1, 4, 16], help="closed-loop points, e.g. 1,4,16")
     p.add_argument("--rate", type=numbers(float), default=[], help="open-loop Poisson rates in req/s, e.g. 0.5,1,2")
     p.add_argument("--num-requests", type=int, default=32, help="requests per load point")
-    p.add_argument("--max-duration", type=float, default=300.0, help="per point: no new requests after this many s")
-    p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each workload")
-    p.add_argument("--model", default=None, help="the request's `model` field (default: first id of /v1/models)")
     p.add_argument("--model-dir", default=None, help="served checkpoint (or a models.MODELS alias): tokenizer, roofline")
-    p.add_argument("--flavor", default="auto", choices=("auto",) + W.FLAVORS, help="which length-pinning fields to send")
-    p.add_argument("--text-only", action="store_true", default=None, help="no media (default: from --model-dir's config)")
-    p.add_argument("--dtype", default=None, help="served dtype, for the roofline line (default: the checkpoint's)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--label", default="server", help="name of this server in results and plots")
     p.add_argument("--out", type=Path, default=None, help="results dir (default benchmarks/results/<time>-serve)")
-    p.add_argument("--start", default=None, choices=("ours", "transformers", "vllm", "sglang"),
-                   help="start this server on --model-dir (free port, stopped afterwards) instead of --base-url")  # fmt: skip
+    p.add_argument("--start", default=None, choices=("ours", "transformers", "vllm"), help="start this on --model-dir")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for --start's server (repeatable)")
-    g = p.add_argument_group("workload shape (overrides the chosen workloads' defaults)")
-    g.add_argument("--shared-prefix-tokens", type=int, default=None, help="chatbot default 2000, agent 3000")
-    g.add_argument("--user-tokens", type=int, default=None)
-    g.add_argument("--output-tokens", type=token_range, default=None, help="N or MIN:MAX (chatbot 32:200, data 32)")
-    g.add_argument("--image-size", type=lambda t: tuple(int(x) for x in t.lower().split("x")), default=None, help="WxH")
-    g.add_argument("--shared-image-prob", type=float, default=None, help="chatbot: share of requests with the common image")
-    g.add_argument("--video-frames", type=int, default=None, help="data: an N-frame clip instead of an image")
+    p.add_argument("--shared-prefix-tokens", type=int, default=None, help="chatbot default 2000, agent 3000")
+    p.add_argument("--output-tokens", type=token_range, default=None, help="N or MIN:MAX (chatbot 32:200, data 32)")
     args = p.parse_args(argv)
     workloads = [w for w in args.workload.split(",") if w]
     for name in workloads:
         if name not in W.DEFAULT_SPECS:  # fail fast on a typo
             raise SystemExit(f"serve_bench: unknown workload {name!r}; choose from {', '.join(W.WORKLOAD_NAMES)}")
     model_dir = str(models.model_dir(args.model_dir)) if args.model_dir else None
-    cfg = BenchConfig(args.base_url, workloads, args.concurrency, args.rate, args.num_requests, args.max_duration,
-                      args.request_timeout, args.warmup, args.model, model_dir, args.flavor, args.text_only, args.seed,
-                      args.label, args.dtype, args.api_key,
-                      {k: getattr(args, k) for k in SPEC_FIELDS if getattr(args, k) is not None})  # fmt: skip
+    shape = {"shared_prefix_tokens": args.shared_prefix_tokens, "output_tokens": args.output_tokens}
+    cfg = BenchConfig(args.base_url, workloads, args.concurrency, args.rate, args.num_requests, warmup=args.warmup,
+                      model_dir=model_dir, overrides={k: v for k, v in shape.items() if v is not None})  # fmt: skip
     out = args.out or RESULTS / f"{time.strftime('%Y%m%d-%H%M%S')}-serve"
     if args.start:
         import peers
@@ -255,12 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         if model_dir is None:
             raise SystemExit("--start needs --model-dir")
         peers.install_signal_handlers()
-        spec = peers.ServerSpec(args.start, model_dir, args.dtype or "auto", tuple(args.server_arg))
+        spec = peers.ServerSpec(args.start, model_dir, extra_args=tuple(args.server_arg))
         with peers.ManagedServer(spec, out / "logs") as server:
             print(f"started {spec.name} at {server.base_url} in {server.startup_s:.0f} s (log {server.log_path})")
-            cfg.base_url, cfg.model = server.base_url, cfg.model or model_dir
-            cfg.flavor = spec.flavor if cfg.flavor == "auto" else cfg.flavor
-            cfg.server_label = spec.name if cfg.server_label == "server" else cfg.server_label
+            cfg.base_url, cfg.model, cfg.flavor, cfg.server_label = server.base_url, model_dir, spec.flavor, spec.name
             result = run_bench(cfg)
     else:
         result = run_bench(cfg)

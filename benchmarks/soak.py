@@ -1,40 +1,20 @@
-"""Soak: a server under steady load for a long time, with clients that give up and clients that
-send garbage mixed in. What must hold at the end: every good request was answered, every bad one
-got a 4xx, no request got a 5xx or hung, the KV pool is back to where it started (no leaked page),
-the server's memory did not creep (RSS growth under 5%), and tail latency did not drift (p99 per
-window).
-
-    python benchmarks/soak.py                       # 30 min at concurrency 32 on the tiny Qwen2-VL
-    python benchmarks/soak.py --duration 300 --model PATH --concurrency 16
-    python benchmarks/soak.py --url http://127.0.0.1:8000 --pid 1234   # a server already running
-
-The request mix (weights in `MIX`): streamed and plain chat, chat with one of a fixed pool of
-images (the pool is small so the encoder and prefix caches fill during warm-up and RSS can settle),
-completions, clients that hang up mid-stream or before the answer, and bad requests (broken JSON,
-wrong field types, an image that is not one). All traffic goes to the loopback server under test.
-`tests/test_resilience.py` runs a short version of this in `make test`.
-"""
+"""Soak: a server under steady load with clients that give up and clients that send garbage mixed in; `soak()`
+reports whether every good request was answered, every bad one got a 4xx, no KV page leaked and RSS and p99 held.
+tests/test_resilience.py runs it for two minutes."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
 import random
-import sys
-import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import numpy as np
-
-# Sibling modules and the repository root (testkit) when run by path.
-sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 import client as C
 import peers
@@ -80,11 +60,6 @@ class SoakReport:
     window_s: float
     p99_by_window_ms: list[float] = field(default_factory=list)  # good requests, by completion time
     requests_by_window: list[int] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        answered = self.good_answered == self.good and self.bad_rejected == self.bad
-        return not self.unexpected and answered and self.pages_after <= self.pages_baseline and self.rss_growth < 0.05
 
     def lines(self) -> list[str]:
         windows = ", ".join(f"{p:.0f}" for p in self.p99_by_window_ms)
@@ -302,38 +277,3 @@ def _report(outcomes: list[Outcome], duration_s: float, concurrency: int, pages_
     return SoakReport(duration_s, concurrency, len(outcomes), dict(Counter(o.kind for o in outcomes)), len(good),
                       sum(o.ok for o in good), aborted, len(bad), sum(o.ok for o in bad), unexpected[:20], pages_baseline,
                       pages_after, rss_baseline, rss_after, rss_after / rss_baseline - 1, window_s, p99s, counts)  # fmt: skip
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load (default 30 min)")
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--window", type=float, default=300.0, help="seconds per p99 window")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--model", default=None, help="checkpoint to serve (default: a tiny random Qwen2-VL built here)")
-    ap.add_argument("--url", default=None, help="soak a server that is already running instead of starting one")
-    ap.add_argument("--pid", type=int, default=None, help="with --url: the server's pid, for RSS")
-    ap.add_argument("--json", type=Path, default=None, help="also write the report here")
-    args = ap.parse_args()
-    if args.url:
-        if args.pid is None:
-            ap.error("--url needs --pid (the server process whose RSS is watched)")
-        report = asyncio.run(soak(args.url, args.pid, args.duration, args.concurrency, args.seed, "m", args.window))
-    else:
-        from testkit.checkpoints import cached_qwen2_vl
-
-        model = args.model or str(cached_qwen2_vl("tiny"))
-        spec = peers.ServerSpec("ours", model, dtype="float32", extra_args=("--served-model-name", "m"), kv_tokens=16384)
-        with peers.ManagedServer(spec, Path(tempfile.mkdtemp(prefix="soak-"))) as server:
-            assert server.proc is not None
-            report = asyncio.run(
-                soak(server.base_url, server.proc.pid, args.duration, args.concurrency, args.seed, "m", args.window)
-            )
-    print("\n".join(report.lines()))
-    if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=2))
-    return 0 if report.passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

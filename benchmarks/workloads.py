@@ -4,7 +4,7 @@
               32..200 output tokens; latency-sensitive.
 - agent:      a long shared prefix (tool docs + history, default 3,000 tokens), a short task, 512 output
               tokens; latency-tolerant.
-- data:       a different image (or short video) per request, a fixed "answer in JSON" instruction, 32
+- data:       a different image per request, a fixed "answer in JSON" instruction, 32
               output tokens; throughput-bound.
 - textchat:   plain streaming chat, 64 output tokens: decode speed at a given concurrency.
 - placard:    apps/placard's data processor: a fresh photo-like 640x480 JPEG, the curator prompt and its
@@ -31,7 +31,7 @@ from typing import Any
 
 # Server flavours differ in which non-standard fields they accept (PEERS.md: `transformers serve`
 # answers 422 to unknown fields such as `ignore_eos`).
-FLAVORS = ("vlm-engine", "vllm", "sglang", "llamacpp", "transformers", "openai")
+FLAVORS = ("vlm-engine", "vllm", "llamacpp", "transformers", "openai")
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,9 @@ class WorkloadSpec:
     image: str  # "none" | "shared" (same image with probability shared_image_prob) | "unique"
     shared_image_prob: float = 0.0
     image_size: tuple[int, int] = (320, 240)
-    video_frames: int = 0  # > 0: data processor sends a short clip instead of an image
     json_output: bool = False
     photo: bool = False  # photo-like pictures (gradients, blur, sensor noise) instead of flat shapes
     pin_length: bool = True  # send the flavour's length-pinning fields (ignore_eos / min_new_tokens)
-
-    @property
-    def uses_media(self) -> bool:
-        return self.image != "none" or self.video_frames > 0
 
 
 DEFAULT_SPECS: dict[str, WorkloadSpec] = {
@@ -75,7 +70,7 @@ def workload_spec(name: str, **overrides: Any) -> WorkloadSpec:
 
 def text_only(spec: WorkloadSpec) -> WorkloadSpec:
     """The same workload for a text-only model: no media, same token shapes."""
-    return replace(spec, image="none", shared_image_prob=0.0, video_frames=0)
+    return replace(spec, image="none", shared_image_prob=0.0)
 
 
 # ---- deterministic text ---------------------------------------------------------------------------
@@ -144,18 +139,6 @@ def image_jpeg(seed: int, width: int = 320, height: int = 240) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=90)
     return buf.getvalue()
-
-
-@lru_cache(maxsize=8)
-def video_mp4(seed: int, frames: int, width: int = 320, height: int = 240, fps: int = 2) -> bytes:
-    """A short seeded H.264 clip, each frame one of `image_jpeg`'s pictures."""
-    import numpy as np
-    from PIL import Image
-
-    from testkit.videos import encode_clip
-
-    pictures = [Image.open(io.BytesIO(image_jpeg(seed * 1000 + i, width, height))).convert("RGB") for i in range(frames)]
-    return encode_clip([np.asarray(p) for p in pictures], fps)
 
 
 @lru_cache(maxsize=32)
@@ -353,7 +336,7 @@ class BenchRequest:
     index: int
     payload: dict[str, Any]
     output_tokens: int  # requested (exact when the server honours the length-pinning fields)
-    media: str  # "none" | "image:<seed>" | "photo:<seed>" | "video:<seed>"
+    media: str  # "none" | "image:<seed>" | "photo:<seed>"
     source: str = ""  # extraction: the document text the answer should copy from
 
 
@@ -383,13 +366,8 @@ class RequestFactory:
         content: list[dict[str, Any]] = []
         if media != "none":
             kind, _, seed = media.partition(":")
-            w, h = spec.image_size
-            if kind == "video":
-                uri = data_uri(video_mp4(int(seed), spec.video_frames, w, h), "video/mp4")
-                content.append({"type": "video_url", "video_url": {"url": uri}})
-            else:
-                jpeg = (photo_jpeg if kind == "photo" else image_jpeg)(int(seed), w, h)
-                content.append({"type": "image_url", "image_url": {"url": data_uri(jpeg, "image/jpeg")}})
+            jpeg = (photo_jpeg if kind == "photo" else image_jpeg)(int(seed), *spec.image_size)
+            content.append({"type": "image_url", "image_url": {"url": data_uri(jpeg, "image/jpeg")}})
         content.append({"type": "text", "text": user_text})
         messages: list[dict[str, Any]] = []
         if self._prefix:
@@ -405,8 +383,6 @@ class RequestFactory:
         spec = self.spec
         unique = _MEDIA_SEED_BASE.get(spec.name, 900_000) + index
         kind = "photo" if spec.photo else "image"
-        if spec.video_frames > 0:
-            return f"video:{unique}"
         if spec.image == "unique":
             return f"{kind}:{unique}"
         if spec.image == "shared":
@@ -455,7 +431,7 @@ def chat_payload(messages: list[dict[str, Any]], max_tokens: int, model: str | N
 
 def length_fields(flavor: str, max_tokens: int) -> dict[str, Any]:
     """Non-standard fields that pin the output length, per server flavour."""
-    if flavor in ("vlm-engine", "vllm", "sglang", "llamacpp"):
+    if flavor in ("vlm-engine", "vllm", "llamacpp"):
         return {"ignore_eos": True}
     if flavor == "transformers":
         # `transformers serve` rejects unknown fields but takes a whole GenerationConfig as JSON;
