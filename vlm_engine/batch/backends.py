@@ -119,7 +119,7 @@ class EngineBackend:
     def run(self, more_expected: Callable[[], bool]) -> None:
         """Steps until no job is left and `more_expected()` says none will come; every attempt
         goes to `self.report` (set by the caller before submitting)."""
-        from vlm_engine.server import protocol as P
+        from vlm_engine.server import openai_bodies as B
 
         engine = self.engine
         report = self.report
@@ -148,10 +148,10 @@ class EngineBackend:
                     if not out.finished:
                         continue
                     job, prompt = running.pop(out.request_id)
-                    choice = P.chat_choice(0, out.text, out.finish_reason, None)
-                    usage = P.usage(out.prompt_tokens, len(out.token_ids), out.cached_tokens)
-                    response = P.chat_completion(
-                        f"chatcmpl-{out.request_id}", P.now(), self.model_name, [choice], usage
+                    choice = B.chat_choice(0, out.text, out.finish_reason, None)
+                    usage = B.usage(out.prompt_tokens, len(out.token_ids), out.cached_tokens)
+                    response = B.chat_completion(
+                        f"chatcmpl-{out.request_id}", B.now(), self.model_name, [choice], usage
                     )
                     report(Outcome(job, response=response))
                 continue

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.apps import mount_app
 from vlm_engine.server.generation import Generation
@@ -77,7 +78,7 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             parsed = P.parse_completion(body, config.model_name, api.max_n)
         guards.room_for(parsed.num_choices)
-        request_id = P.new_id("chatcmpl" if kind == "chat" else "cmpl")
+        request_id = B.new_id("chatcmpl" if kind == "chat" else "cmpl")
         return await Generation(state, request, parsed, request_id).respond()
 
     @app.post("/v1/chat/completions")
@@ -94,7 +95,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_auth(request)
-        return JSONResponse({"object": "list", "data": [P.model_card(config.model_name, state.created)]})
+        return JSONResponse({"object": "list", "data": [B.model_card(config.model_name, state.created)]})
 
     @app.get("/health")
     async def health() -> Response:

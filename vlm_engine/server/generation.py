@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from vlm_engine import ipc
+from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.engine_client import RequestHandle
 from vlm_engine.server.http_common import SSE_HEADERS, ServerState, from_engine_error, json_encoder, sse
@@ -56,7 +57,7 @@ class _Choice:
 def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
     # Every prompt is counted once, however many choices it has (as the OpenAI API does).
     firsts = choices[::n]
-    return P.usage(
+    return B.usage(
         sum(c.prompt_tokens for c in firsts),
         sum(c.completion_tokens for c in choices),
         sum(c.cached_tokens for c in firsts),
@@ -71,7 +72,7 @@ class Generation:
         self.http = request
         self.parsed = parsed
         self.request_id = request_id
-        self.created = P.now()
+        self.created = B.now()
         self.model = parsed.model
         self.choices = [_Choice() for _ in range(parsed.num_choices)]
         with_tools = parsed.kind == "chat" and parsed.tool_choice.mode != "none"
@@ -173,20 +174,20 @@ class Generation:
                 tools = self.tools[i]
                 if tools is not None:
                     message, reason = tools.message(text, reason)
-                logprobs = P.chat_logprobs(c.logprobs) if self.parsed.logprobs else None
-                choices.append(P.chat_choice(i, text, reason, logprobs, message))
+                logprobs = B.chat_logprobs(c.logprobs) if self.parsed.logprobs else None
+                choices.append(B.chat_choice(i, text, reason, logprobs, message))
                 if self.parsed.return_token_ids:
                     choices[-1]["token_ids"] = c.token_ids
-            body = P.chat_completion(self.request_id, self.created, self.model, choices, usage)
+            body = B.chat_completion(self.request_id, self.created, self.model, choices, usage)
             if self.parsed.return_token_ids:
                 body["prompt_token_ids"] = self.handle.prompt_token_ids.get(0)
         else:
             choices = [
-                P.completion_choice(
+                B.completion_choice(
                     i,
                     "".join(c.text),
                     c.finish_reason or "stop",
-                    P.completion_logprobs(c.logprobs, 0) if self.parsed.logprobs else None,
+                    B.completion_logprobs(c.logprobs, 0) if self.parsed.logprobs else None,
                 )
                 for i, c in enumerate(self.choices)
             ]
@@ -194,7 +195,7 @@ class Generation:
                 for i, (choice, c) in enumerate(zip(choices, self.choices)):
                     choice["prompt_token_ids"] = self.handle.prompt_token_ids.get(i)
                     choice["token_ids"] = c.token_ids
-            body = P.completion(self.request_id, self.created, self.model, choices, usage)
+            body = B.completion(self.request_id, self.created, self.model, choices, usage)
         return body
 
     # ---- streaming -----------------------------------------------------------------------------
@@ -243,7 +244,7 @@ class Generation:
             if p.kind == "chat":
                 role = {"role": "assistant", "content": "", "refusal": None}
                 chunks = [
-                    P.chat_chunk(self.request_id, self.created, self.model, [P.chat_chunk_choice(i, role)], None, with_usage)
+                    B.chat_chunk(self.request_id, self.created, self.model, [B.chat_chunk_choice(i, role)], None, with_usage)
                     for i in range(p.num_choices)
                 ]
                 if p.return_token_ids:  # as vLLM: the prompt's ids ride on the first chunk
@@ -288,15 +289,15 @@ class Generation:
                 if not deltas and not d.finished and not (p.logprobs and d.logprobs):
                     return []  # text held back while a tool call is collected
                 deltas = deltas or [{}]
-            logprobs = P.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
+            logprobs = B.chat_logprobs(d.logprobs) if p.logprobs and d.logprobs else None
             last = len(deltas) - 1
             choices = [
-                P.chat_chunk_choice(index, delta, finish if k == last else None, logprobs if k == 0 else None)
+                B.chat_chunk_choice(index, delta, finish if k == last else None, logprobs if k == 0 else None)
                 for k, delta in enumerate(deltas)
             ]
             if p.return_token_ids:
                 choices[0]["token_ids"] = d.token_ids
-            return [P.chat_chunk(self.request_id, self.created, self.model, [c], usage, with_usage) for c in choices]
+            return [B.chat_chunk(self.request_id, self.created, self.model, [c], usage, with_usage) for c in choices]
         chunk = self._completion_chunk(index, d, finish, usage, with_usage)
         if p.return_token_ids:
             chunk["choices"][0]["token_ids"] = d.token_ids
@@ -305,12 +306,12 @@ class Generation:
     def _completion_chunk(self, index: int, d: Any, finish: str | None, usage: Any, with_usage: bool) -> dict[str, Any]:
         p = self.parsed
         offset = self.choices[index].text_len
-        logprobs = P.completion_logprobs(d.logprobs, offset) if p.logprobs and d.logprobs else None
+        logprobs = B.completion_logprobs(d.logprobs, offset) if p.logprobs and d.logprobs else None
         self.choices[index].text_len = offset + len(d.text)
-        choice = P.completion_choice(index, d.text, finish, logprobs)
-        return P.completion(self.request_id, self.created, self.model, [choice], usage, with_usage)
+        choice = B.completion_choice(index, d.text, finish, logprobs)
+        return B.completion(self.request_id, self.created, self.model, [choice], usage, with_usage)
 
     def _usage_chunk(self) -> dict[str, Any]:
         if self.parsed.kind == "chat":
-            return P.chat_chunk(self.request_id, self.created, self.model, [], self._usage_now(), True)
-        return P.completion(self.request_id, self.created, self.model, [], self._usage_now(), True)
+            return B.chat_chunk(self.request_id, self.created, self.model, [], self._usage_now(), True)
+        return B.completion(self.request_id, self.created, self.model, [], self._usage_now(), True)

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from vlm_engine import ipc
+from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient
@@ -26,7 +27,7 @@ class ServerState:
     config: ServerConfig
     client: EngineClient
     metrics: ServerMetrics | None = None  # set by the launcher (see server.metrics.observe_requests)
-    created: int = field(default_factory=P.now)
+    created: int = field(default_factory=B.now)
     draining: bool = False
     failure: str | None = None  # set when a child process died
 

@@ -1,18 +1,14 @@
-"""The OpenAI wire format: request validation and response / chunk / error bodies.
+"""OpenAI requests checked into engine requests, and the error bodies (the answers: `openai_bodies`).
 
-Responses carry every field the official API returns, nulls included, so clients that read
-them through the official SDK's models (strictly or not) see what they expect. Requests are typed
-(`request_models`): `typed` converts a decoded body and words msgspec's errors as this server
-always has; what types cannot say (ranges that depend on the server, fields that exclude each
-other) is checked here. Messages and media are checked by the preprocess workers. Every field,
-unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
+Requests are typed (`request_models`): `typed` converts a decoded body and words msgspec's errors
+as this server always has; what types cannot say (ranges that depend on the server, fields that
+exclude each other) is checked here. Messages and media are checked by the preprocess workers.
+Every field, unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
 """
 
 from __future__ import annotations
 
 import re
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,7 +24,6 @@ from vlm_engine.structured.spec import (
 )
 from vlm_engine.structured.tools import ToolChoice, resolve_tool_choice, validate_tools
 
-SYSTEM_FINGERPRINT = "fp_vlm_engine"
 NO_TOOLS = ToolChoice("none")
 
 # The wire carries integers in [-2**63, 2**64) (msgpack); deeper nesting would recurse in the
@@ -327,140 +322,3 @@ def _prompts(prompt: Any) -> list[Any]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
         return list(prompt)
     raise ApiError(400, "'prompt' must be a string, an array of token ids, or an array of those", param="prompt")
-
-
-# ---- responses -----------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": 0,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
-    return {
-        "content": [
-            {
-                "token": e.token,
-                "logprob": e.logprob,
-                "bytes": e.bytes,
-                "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in e.top],
-            }
-            for e in entries
-        ],
-        "refusal": None,
-    }
-
-
-def completion_logprobs(entries: list[Any], text_offset: int) -> dict[str, Any]:
-    offsets = []
-    for e in entries:
-        offsets.append(text_offset)
-        text_offset += len(e.token)
-    return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
-        "text_offset": offsets,
-    }
-
-
-def chat_completion(
-    request_id: str, created: int, model: str, choices: list[dict[str, Any]], usage_: dict[str, Any]
-) -> dict[str, Any]:
-    return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage_,
-        "service_tier": "default",
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
-
-
-def chat_choice(
-    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None, message: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": message or {"role": "assistant", "content": text, "refusal": None, "annotations": []},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-
-
-def chat_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: Any = None,
-    with_usage: bool = False,
-) -> dict[str, Any]:
-    chunk = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "service_tier": "default",
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "choices": choices,
-    }
-    if with_usage:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def chat_chunk_choice(
-    index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None
-) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def completion(
-    request_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage_: Any = None,
-    with_usage: bool = True,
-) -> dict[str, Any]:
-    body = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-    }
-    if with_usage:
-        body["usage"] = usage_
-    return body
-
-
-def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: Any = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def model_card(model: str, created: int) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": created, "owned_by": "vlm-engine"}

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from vlm_engine import ipc
+from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server import responses_protocol as R
 from vlm_engine.server.generation import Generation
@@ -59,14 +60,14 @@ class OutputItems:
 
     def _open_message(self) -> list[dict[str, Any]]:
         events = self.close_open()
-        events.append(self._added(R.message_item(R.new_item_id("msg"), "in_progress")))
+        events.append(self._added(B.message_item(B.new_item_id("msg"), "in_progress")))
         events.append({**self._where(), "type": "response.content_part.added", "content_index": 0,
-                       "part": R.output_text("")})  # fmt: skip
+                       "part": B.output_text("")})  # fmt: skip
         return events
 
     def start_call(self, call_id: str, name: str) -> list[dict[str, Any]]:
         events = self.close_open()
-        events.append(self._added(R.function_call_item(R.new_item_id("fc"), call_id, name, "", "in_progress")))
+        events.append(self._added(B.function_call_item(B.new_item_id("fc"), call_id, name, "", "in_progress")))
         return events
 
     def add_arguments(self, text: str) -> list[dict[str, Any]]:
@@ -84,7 +85,7 @@ class OutputItems:
         where = self._where()
         item["status"] = status
         if item["type"] == "message":
-            part = R.output_text(joined, self._logprobs)
+            part = B.output_text(joined, self._logprobs)
             item["content"] = [part]
             events = [
                 {**where, "type": "response.output_text.done", "content_index": 0, "text": joined,
@@ -158,7 +159,7 @@ class ResponseGeneration(Generation):
             if delta.finished:
                 deltas += tools.finish(choice.finish_reason or "stop")[0]
         # Logprobs follow the text token by token only when no tool call can hold text back.
-        logprobs = R.logprob_entries(delta.logprobs) if self.parsed.logprobs and tools is None and delta.logprobs else []
+        logprobs = B.logprob_entries(delta.logprobs) if self.parsed.logprobs and tools is None and delta.logprobs else []
         events = []
         for i, d in enumerate(deltas):
             events += self.items.add_delta(d, logprobs if i == 0 else None)
@@ -173,10 +174,10 @@ class ResponseGeneration(Generation):
         choice = self.choices[0]
         usage = None
         if status in ("completed", "incomplete"):
-            usage = R.response_usage(choice.prompt_tokens, choice.completion_tokens, choice.cached_tokens)
+            usage = B.response_usage(choice.prompt_tokens, choice.completion_tokens, choice.cached_tokens)
         incomplete = "max_output_tokens" if status == "incomplete" else None
         output = copy.deepcopy(self.items.output) if status == "in_progress" else self.items.output
-        return R.response_object(
+        return B.response_object(
             self.request_id, self.created, self.model, self.request.echo, status, output, usage, incomplete, error
         )
 
@@ -192,7 +193,7 @@ class ResponseGeneration(Generation):
         text, reason = "".join(choice.text), choice.finish_reason or "stop"
         if tools is None:
             if text:
-                self.items.add_text(text, R.logprob_entries(choice.logprobs) if self.parsed.logprobs else [])
+                self.items.add_text(text, B.logprob_entries(choice.logprobs) if self.parsed.logprobs else [])
         else:
             message, _ = tools.message(text, reason)
             self.items.add_delta({"content": message["content"], "tool_calls": message.get("tool_calls")})
@@ -263,7 +264,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, guards: RouteGuards) 
             previous,
         )
         guards.room_for(parsed.generate.num_choices)
-        return await ResponseGeneration(state, request, parsed, R.new_item_id("resp"), store).respond()
+        return await ResponseGeneration(state, request, parsed, B.new_item_id("resp"), store).respond()
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:

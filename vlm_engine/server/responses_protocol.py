@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,10 +44,6 @@ _PARAM_NAMES = {
     "response_format": "text.format",
     "logprobs": "top_logprobs",
 }
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 @dataclass(frozen=True)
@@ -257,7 +251,7 @@ def _parts(parts: list[M.Part], where: str) -> list[dict[str, Any]]:
     return out
 
 
-# ---- the Response object ---------------------------------------------------------------------------
+# ---- what the Response object echoes -------------------------------------------------------------
 
 
 def _echo(body: dict[str, Any], req: M.ResponsesBody, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -280,64 +274,3 @@ def _echo(body: dict[str, Any], req: M.ResponsesBody, tools: list[dict[str, Any]
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
-
-
-def response_object(
-    response_id: str,
-    created_at: float,
-    model: str,
-    echo: dict[str, Any],
-    status: str,
-    output: list[dict[str, Any]],
-    usage: dict[str, Any] | None = None,
-    incomplete_reason: str | None = None,
-    error: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "completed_at": time.time() if status == "completed" else None,
-        "status": status,
-        "background": False,
-        "error": error,
-        "incomplete_details": {"reason": incomplete_reason} if incomplete_reason else None,
-        "model": model,
-        "output": output,
-        "reasoning": {"effort": None, "summary": None},
-        "service_tier": "default",
-        "truncation": "disabled",
-        "max_tool_calls": None,
-        "usage": usage,
-        **echo,
-    }
-
-
-def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": prompt_tokens,
-        # cache_write_tokens: OpenAI bills explicit cache writes; nothing here is billed (0).
-        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def message_item(item_id: str, status: str, text: str | None = None, logprobs: list[Any] | None = None) -> dict[str, Any]:
-    content = [] if text is None else [output_text(text, logprobs)]
-    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
-def output_text(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-
-
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}  # fmt: skip
-
-
-def logprob_entries(entries: list[Any]) -> list[dict[str, Any]]:
-    """The engine's logprob entries in output_text's shape (chat's, without `refusal`)."""
-    return P.chat_logprobs(entries)["content"]

@@ -21,6 +21,7 @@ from fastapi.responses import Response
 
 from vlm_engine import ipc
 from vlm_engine.sampling_params import SamplingParams
+from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.http_common import RouteGuards, ServerState, from_engine_error, json_encoder
 from vlm_engine.server.request_models import DetokenizeBody, TokenizeChat, TokenizePrompt
@@ -79,7 +80,7 @@ def add_tokenize_routes(app: FastAPI, state: ServerState, guards: RouteGuards) -
 
 
 def _job(purpose: str, **fields: Any) -> ipc.PreprocessRequest:
-    return ipc.PreprocessRequest(P.new_id(purpose), 0, 1, _UNUSED_SAMPLING, purpose=purpose, **fields)
+    return ipc.PreprocessRequest(B.new_id(purpose), 0, 1, _UNUSED_SAMPLING, purpose=purpose, **fields)
 
 
 def parse_tokenize(body: Any, served_model: str, max_images: int, max_videos: int) -> ipc.PreprocessRequest:
