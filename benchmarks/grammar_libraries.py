@@ -1,15 +1,6 @@
-"""Grammar libraries for structured output, llguidance against xgrammar on CPU (`inproc.py grammar`).
-
-For each library and vocabulary: the tokenizer-info build time; per schema of `testkit.json_schemas.SCHEMAS` the
-compile time (cold, and cached where the library has a cache) and coverage (compiled / example instance accepted
-end to end / invalid instances rejected), plus the regexes of REGEXES; the bitmask fill time per token while a
-matcher is driven through a valid instance's tokens (median, p95); and the batched fill at batch 32 and 64
-(matchers at different positions, each library's parallel batch API). Needs the bench extra (xgrammar, jsonschema).
-
-Vocabularies: smollm2 (SmolLM2-135M, 49,152, from the shipped GGUF), qwen2-tiny (the random Qwen2-VL test
-checkpoint, 2,048), synthetic-151k (SmolLM2's byte-level BPE extended with merges of its own tokens to 151,646
-tokens, mask width 151,936 like Qwen2: a stand-in for the mask cost only, not Qwen2's real vocabulary).
-"""
+"""llguidance against xgrammar on CPU (`inproc.py grammar`): tokenizer-info build, compile time and coverage per
+schema of testkit.json_schemas, mask fill per token and batched, on three vocabularies (load_vocab). The table and
+what it means: benchmarks/README.md, "Structured output (issue 9)"."""
 
 from __future__ import annotations
 
@@ -17,6 +8,7 @@ import argparse
 import gc
 import importlib.metadata
 import json
+import os
 import random
 import statistics
 import time
@@ -359,19 +351,19 @@ def measure(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         Draft202012Validator(schema, format_checker=FormatChecker()).validate(EXAMPLES[name])
     for name, bad in PROBES:
         assert not Draft202012Validator(SCHEMAS[name], format_checker=FormatChecker()).is_valid(bad), name
-    libs = [c for c in (LLGuidance, XGrammar) if args.library in ("all", c.name)]
     vocabs = ["qwen2-tiny", "smollm2", "synthetic-151k"] if args.vocab == "all" else [args.vocab]
     cache: dict[str, Any] = {}
     results: dict[str, list[dict]] = {}
+    threads = os.cpu_count() or 1
     for v in vocabs:
         tok, vocab_size, eos = load_vocab(v, cache)
         label = f"{v} ({vocab_size:,})"
         print(f"# {label}: tokenizer {type(tok).__name__} len {len(tok)}, eos {eos}", flush=True)
         results[label] = []
-        for lib in libs:
+        for lib in (LLGuidance, XGrammar):
             t0 = time.perf_counter()
-            results[label].append(bench_library(lib, tok, vocab_size, eos, args.repeats, args.threads))
+            results[label].append(bench_library(lib, tok, vocab_size, eos, args.repeats, threads))
             print(f"  {lib.name}: done in {time.perf_counter() - t0:.1f} s", flush=True)
-    print(f"torch {torch.__version__}, threads={args.threads}, repeats={args.repeats}, schemas={len(SCHEMAS)}")
+    print(f"torch {torch.__version__}, threads={threads}, repeats={args.repeats}, schemas={len(SCHEMAS)}")
     print("\n".join(report(results)))
     return {"results": results}

@@ -1,18 +1,6 @@
-"""Cross-check our client against guidellm (an independent one): the same server, the same requests (one list
-per repetition, given to guidellm as a JSONL file), closed loop at --concurrency, one client after the other in
-ABBA order (or, with --simultaneous, both at once); prints each metric side by side with the % difference
-(target: within 10%) and our server's step counters per run. Why it is set up this way and what it found:
-benchmarks/README.md, "guidellm agreement".
-
-    python3.11 -m venv benchmarks/.guidellm-venv
-    benchmarks/.guidellm-venv/bin/pip install "guidellm[vision]==0.8.1" "torch==2.13.0+cpu"
-    .venv/bin/python benchmarks/guidellm_check.py                  # starts our server on SmolLM2
-    .venv/bin/python benchmarks/guidellm_check.py --base-url http://127.0.0.1:8000 --model-dir DIR
-
-Metric definitions follow guidellm's: per-request ITL = (last token - first token) / (output - 1), its mean and
-median weighted by (output - 1), medians the first value whose cumulative weight reaches 0.5; throughput =
-completed requests (tokens) / wall time.
-"""
+"""Our client against guidellm on the same server and the same requests (ABBA, or both at once with
+--simultaneous), metric by metric with guidellm's definitions, and our server's step counters per run. Install
+guidellm as benchmarks/README.md's set-up says; what it found: its section "guidellm agreement"."""
 
 from __future__ import annotations
 
@@ -43,6 +31,7 @@ import workloads as W
 
 BENCH = Path(__file__).resolve().parent
 GUIDELLM = BENCH / ".guidellm-venv" / "bin" / "guidellm"
+MAX_DURATION_S = 300.0  # per run, and each request's timeout
 COMPARED = ("ttft_mean_ms", "ttft_p50_ms", "itl_mean_ms", "itl_p50_ms", "requests_per_s", "output_tokens_per_s",
             "prompt_tokens_mean", "output_tokens_mean")  # fmt: skip
 NORMALIZED = ("itl_mean_per_step", "output_tokens_per_step")
@@ -51,7 +40,7 @@ NORMALIZED = ("itl_mean_per_step", "output_tokens_per_step")
 def build_requests(model: str, model_dir: str, args: argparse.Namespace, first_index: int) -> list[W.BenchRequest]:
     # "agent" without its shared prefix: one plain user message of ~P tokens (the instruction head counts).
     spec = W.workload_spec("agent", shared_prefix_tokens=0, user_tokens=args.prompt_tokens, output_tokens=args.output_tokens)
-    factory = W.RequestFactory(W.text_only(spec), model, "vlm-engine", args.seed, SB.load_tokenizer(model_dir))
+    factory = W.RequestFactory(W.text_only(spec), model, "vlm-engine", 0, SB.load_tokenizer(model_dir))
     return [factory.build(first_index + k) for k in range(args.num_requests)]
 
 
@@ -98,9 +87,9 @@ def run_with_counters(base_url: str, run: Callable[[], dict[str, float]]) -> dic
 
 def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Namespace) -> dict[str, float]:
     by_index = {r.index: r for r in requests}
-    point = C.LoadPoint("closed", args.concurrency, len(requests), args.max_duration, args.max_duration)
+    point = C.LoadPoint("closed", args.concurrency, len(requests), MAX_DURATION_S, MAX_DURATION_S)
     url = base_url.rstrip("/") + "/v1/chat/completions"
-    records, duration = asyncio.run(C.run_point(url, by_index.__getitem__, point, args.seed, requests[0].index))
+    records, duration = asyncio.run(C.run_point(url, by_index.__getitem__, point, 0, requests[0].index))
     s = S.summarize(records, duration)
     ttft_ms = [1000 * r.ttft for r in records if r.ok and r.ttft is not None]
     itl = [(1000 * r.decode_itl, r.output_tokens - 1) for r in records if r.ok and r.decode_itl is not None]
@@ -117,11 +106,11 @@ def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Na
 
 def start_guidellm(base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace,
                    out_json: Path) -> subprocess.Popen[bytes]:  # fmt: skip
-    cmd = [str(args.guidellm), "run", "--backend", f"kind=openai_http,target={base_url},model={model}",
+    cmd = [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={base_url},model={model}",
            "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--profile", f"kind=concurrent,streams={args.concurrency}",
            "--constraint", f"kind=max_requests,count={args.num_requests}",
-           "--constraint", f"kind=max_duration,seconds={args.max_duration}", "--data", f"kind=json_file,path={data}",
-           "--seed", f"kind=static,value={args.seed}", "--output", f"kind=json,path={out_json}",
+           "--constraint", f"kind=max_duration,seconds={MAX_DURATION_S}", "--data", f"kind=json_file,path={data}",
+           "--seed", "kind=static,value=0", "--output", f"kind=json,path={out_json}",
            "--disable-console-interactive"]  # fmt: skip
     print("$ " + " ".join(cmd), flush=True)
     # One worker process runs all streams on one asyncio loop: one per stream (guidellm's default) competes with
@@ -148,7 +137,7 @@ def finish_guidellm(proc: subprocess.Popen[bytes], out_json: Path, timeout_s: fl
 def run_guidellm(base_url: str, model: str, model_dir: str, data: Path, args: argparse.Namespace,
                  out_json: Path) -> dict[str, float]:  # fmt: skip
     proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
-    return finish_guidellm(proc, out_json, args.max_duration + 600)
+    return finish_guidellm(proc, out_json, MAX_DURATION_S + 600)
 
 
 def run_simultaneous(base_url: str, model: str, model_dir: str, requests: list[W.BenchRequest], data: Path,
@@ -164,7 +153,7 @@ def run_simultaneous(base_url: str, model: str, model_dir: str, requests: list[W
             raise RuntimeError("guidellm ended before sending a request")
         time.sleep(0.01)
     harness = run_harness(base_url, requests, args)
-    reference = finish_guidellm(proc, out_json, args.max_duration + 600)
+    reference = finish_guidellm(proc, out_json, MAX_DURATION_S + 600)
     shared = counter_delta(before, server_counters(base_url))
     return with_counters(harness, shared, math.nan), with_counters(reference, shared, math.nan)  # CPU: not separable
 
@@ -248,26 +237,20 @@ def _guidellm_first(rep: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default=None, help="use this running server instead of starting ours")
-    p.add_argument("--model-dir", default="smollm2", help="served checkpoint: a models.MODELS alias or a directory")
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=40)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--output-tokens", type=SB.token_range, default=(32, 96),
                    help="N or MIN:MAX, drawn per request (one fixed N runs in lock-step waves: README)")  # fmt: skip
     p.add_argument("--reps", type=int, default=4, help="repetitions, each a harness run and a guidellm run (ABBA)")
-    p.add_argument("--max-duration", type=float, default=300.0, help="per run, and each request's timeout")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--guidellm", type=Path, default=GUIDELLM)
     p.add_argument("--simultaneous", action="store_true",
                    help="both clients at once, each with the request list at --concurrency (twice the load)")  # fmt: skip
-    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if not args.guidellm.exists():
-        raise SystemExit(f"{args.guidellm} not found; install guidellm as this script's docstring says")
-    model_dir = str(models.model_dir(args.model_dir))
-    out = args.out or BENCH / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-guidellm"
+    if not GUIDELLM.exists():
+        raise SystemExit(f"{GUIDELLM} not found; install guidellm as benchmarks/README.md's set-up says")
+    model_dir = str(models.model_dir("smollm2"))
+    out = BENCH / "results" / f"{time.strftime('%Y%m%d-%H%M%S')}-guidellm"
     out.mkdir(parents=True, exist_ok=True)
     peers.install_signal_handlers()
 
@@ -292,17 +275,15 @@ def main(argv: list[str] | None = None) -> int:
             (out / "runs.json").write_text(json.dumps(runs, indent=1))  # kept if a later rep times out
         return runs
 
-    if args.base_url:
-        runs = measure(args.base_url)
-    else:
-        server_cpus, client_cpus = split_cpus()
-        # Children inherit the CPU mask at start: the server gets its half, then this process (our client) and
-        # guidellm (started from it) move to the other.
-        os.sched_setaffinity(0, server_cpus)
-        with peers.ManagedServer(peers.ServerSpec("ours", model_dir, "auto", ("--no-prefix-cache",)), out / "logs") as server:
-            os.sched_setaffinity(0, client_cpus)
-            print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
-            runs = measure(server.base_url)
+    server_cpus, client_cpus = split_cpus()
+    # Children inherit the CPU mask at start: the server gets its half, then this process (our client) and
+    # guidellm (started from it) move to the other.
+    os.sched_setaffinity(0, server_cpus)
+    spec = peers.ServerSpec("ours", model_dir, "auto", ("--no-prefix-cache",))
+    with peers.ManagedServer(spec, out / "logs") as server:
+        os.sched_setaffinity(0, client_cpus)
+        print(f"server on CPUs {sorted(server_cpus)}, clients on CPUs {sorted(client_cpus)}", flush=True)
+        runs = measure(server.base_url)
     lo, hi = args.output_tokens
     mode = "both clients at once, each at" if args.simultaneous else "one client after the other, at"
     text = "\n".join([
@@ -311,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         *comparison_table(runs), "", "Per repetition (harness vs guidellm, same requests), % difference:", "",
         *pair_rows(runs, args.simultaneous)]) + "\n"  # fmt: skip
     (out / "comparison.md").write_text(text)
-    config = {**vars(args), "guidellm": str(args.guidellm), "out": str(out)}
-    (out / "comparison.json").write_text(json.dumps({"config": config, "runs": runs}, indent=1, default=str))
+    (out / "comparison.json").write_text(json.dumps({"config": vars(args), "runs": runs}, indent=1, default=str))
     print(text)
     print(f"wrote {out}/comparison.md")
     return 0

@@ -139,7 +139,6 @@ HOST_PARTS = ("schedule", "prepare", "forward", "update")
     opt("--prompt-tokens", 64),
     opt("--steps", 5, "timed decode steps per batch size (median reported)"),
     opt("--warmup", 2),
-    opt("--attention-backend", "auto"),
 )
 def host(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Per decode step: schedule, input building (prepare), the forward without it (model, sampling), update
@@ -152,10 +151,9 @@ def host(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         from testkit.json_schemas import SCHEMAS
 
         schema = SCHEMAS[args.schema]
-    engine = build_engine(args.model, dtype=args.dtype, max_num_seqs=top,
-                          max_num_batched_tokens=max(2048, args.prompt_tokens * 16),
-                          kv_cache_tokens=top * (args.prompt_tokens + args.warmup + args.steps + 64) + 4096,
-                          attention_backend=args.attention_backend)  # fmt: skip
+    kv_tokens = top * (args.prompt_tokens + args.warmup + args.steps + 64) + 4096
+    engine = build_engine(args.model, dtype=args.dtype, max_num_seqs=top, kv_cache_tokens=kv_tokens,
+                          max_num_batched_tokens=max(2048, args.prompt_tokens * 16))  # fmt: skip
     # A budget far beyond the measured steps keeps the JSON closer (it forces the end near max_tokens) out.
     params = greedy(2048 if schema else args.warmup + args.steps + 8, json_schema=schema)
     decode_steps(engine, random_prompts(engine, min(4, top), args.prompt_tokens, 99), params, 3)  # one-off costs
@@ -187,6 +185,7 @@ def host(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 # ---- decode: Engine.chat tokens/s (make bench) ---------------------------------------------------------------
 
+DECODE_MODEL, DECODE_TOKENS = "SmolLM2-135M-Instruct", 64
 TOPICS = ["the sea", "a mountain", "coffee", "a red fox", "the moon", "trains", "a library", "rain", "autumn leaves",
           "a lighthouse", "bees", "the desert"]  # fmt: skip
 
@@ -198,32 +197,29 @@ def conversations(n: int) -> list[list[dict[str, str]]]:
 
 @measurement(
     "decode",
-    opt("--model", "SmolLM2-135M-Instruct"),
     opt("--dtype", "float32"),
-    opt("--tokens", 64),
     opt("--batch", "32", "comma list of batch sizes besides 1"),
-    opt("--attention", "auto"),
-    opt("--hf-prompts", 4, "prompts for Hugging Face generate, one after another (0: skip it)"),
 )
 def decode(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    engine = build_engine(args.model, dtype=args.dtype, attention_backend=args.attention, kv_cache_tokens=64 * 1024)
+    """SmolLM2 greedy tok/s through Engine.chat at batch 1 and --batch, beside Hugging Face generate."""
+    engine = build_engine(DECODE_MODEL, dtype=args.dtype, kv_cache_tokens=64 * 1024)
     engine.chat(conversations(2), greedy(4))  # warm-up
 
     def tok_s(batch: int, rounds: int = 1) -> float:
         start, produced = time.perf_counter(), 0
         for _ in range(rounds):
-            produced += sum(len(o.token_ids) for o in engine.chat(conversations(batch), greedy(args.tokens)))
+            produced += sum(len(o.token_ids) for o in engine.chat(conversations(batch), greedy(DECODE_TOKENS)))
         return produced / (time.perf_counter() - start)
 
-    result: dict[str, Any] = {"dtype": dtype_name(engine), "output_tokens_per_request": args.tokens,
+    result: dict[str, Any] = {"dtype": dtype_name(engine), "output_tokens_per_request": DECODE_TOKENS,
                               "engine_batch1_tok_s": tok_s(1, rounds=2)}  # fmt: skip
     result |= {f"engine_batch{b}_tok_s": tok_s(b) for b in ints(args.batch)}
-    timed = decode_steps(engine, [engine.process_messages(conversations(1)[0])], greedy(args.tokens), args.tokens - 2)
+    prompt = engine.process_messages(conversations(1)[0])
+    timed = decode_steps(engine, [prompt], greedy(DECODE_TOKENS), DECODE_TOKENS - 2)
     result["engine_batch1_decode_ms_per_step"] = 1000 * S.median([wall for wall, _ in timed])
-    if args.hf_prompts:
-        result["hf_generate_sequential_tok_s"] = hf_generate_tok_s(args.model, args.hf_prompts, args.tokens)
-        b = ints(args.batch)[0]
-        result[f"batch{b}_vs_hf_sequential"] = result[f"engine_batch{b}_tok_s"] / result["hf_generate_sequential_tok_s"]
+    result["hf_generate_sequential_tok_s"] = hf_generate_tok_s(DECODE_MODEL, 4, DECODE_TOKENS)
+    b = ints(args.batch)[0]
+    result[f"batch{b}_vs_hf_sequential"] = result[f"engine_batch{b}_tok_s"] / result["hf_generate_sequential_tok_s"]
     for key, value in result.items():
         print(f"{key:36s} {value:.2f}" if isinstance(value, float) else f"{key:36s} {value}")
     return result
@@ -257,11 +253,10 @@ def hf_generate_tok_s(model: str, prompts: int, tokens: int) -> float:
     opt("--dtype", "bfloat16"),
     opt("--batch", 64),
     opt("--context", 256, "prompt tokens per sequence before decode"),
-    opt("--steps", 8),
 )
 def roofline(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     machine = R.machine_ceilings()
-    m = engine_decode_step(args.model, args.dtype, args.batch, args.context, args.steps)
+    m = engine_decode_step(args.model, args.dtype, args.batch, args.context)
     cost = R.ModelCost.from_dir(m["model_dir"])
     for key in ("step_s", "forward_s"):
         m[f"{key}_roofline"] = R.roofline(cost, machine, args.batch, m["context"], m[key], m["dtype"], key).line()
@@ -277,27 +272,16 @@ HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152  # SmolLM2-135M
 STEP_SHAPES = [(HIDDEN + 2 * 192, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS
 
 
-@measurement(
-    "linears",
-    opt("--schemes", "int4,int8,bf16,fp32"),
-    opt("--rows", "1,2,4,16"),
-    opt("--repeats", 20),
-    opt("--source", "", "build the kernels from this fused_ops.cpp instead of the package's"),
-)
+@measurement("linears")
 def linears(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    """Every layer's weights distinct, so that they stream from memory as in a real step; best of --repeats."""
+    """Every SmolLM2 linear of a decode step under each kernel scheme, each layer's weights distinct (so that they
+    stream from memory as in a real step); best of 20."""
     import torch
 
-    if args.source:
-        from vlm_engine.kernels.build import build_extension
+    from vlm_engine.models.fused_ops import load_fused_ops
 
-        ops = build_extension(f"bench_{Path(args.source).stem}", Path(args.source))
-    else:
-        from vlm_engine.models.fused_ops import load_fused_ops
-
-        ops = load_fused_ops()
-    rows = []
-    for scheme in args.schemes.split(","):
+    ops, rows = load_fused_ops(), []
+    for scheme in ("int4", "int8", "bf16", "fp32"):
         g, calls, nbytes = torch.Generator().manual_seed(0), [], 0
         for i, (n, k) in enumerate(STEP_SHAPES + [(VOCAB, HIDDEN)]):
             w = torch.randn(n, k, generator=g) * 0.05
@@ -311,9 +295,9 @@ def linears(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 panels = ops.pack_panels(w.to(dtype))
                 calls.append((k, lambda x, p=panels, n=n, t=dtype: ops.panel_linear(x.to(t), p, n)))
                 nbytes += panels.numel() * panels.element_size()
-        for m in ints(args.rows):
+        for m in (1, 2, 4, 16):
             xs = {k: torch.randn(m, k) for k in (HIDDEN, INTERMEDIATE)}
-            times, _ = S.timed(lambda: [f(xs[k]) for k, f in calls], repeats=args.repeats)
+            times, _ = S.timed(lambda: [f(xs[k]) for k, f in calls], repeats=20)
             best = min(times)
             rows.append({"scheme": scheme, "rows": m, "ms": 1e3 * best, "weight_gb_s": nbytes / best / 1e9})
             print(f"{scheme:5s} rows {m:3d}: {1e3 * best:7.2f} ms/step  {nbytes / best / 1e9:6.1f} GB/s of weights "
@@ -321,6 +305,7 @@ def linears(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"rows": rows}
 
 
+VISION_REPEATS = 3
 # Qwen/Qwen2.5-VL-3B-Instruct's vision_config.
 VISION_3B = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 2048,
              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
@@ -351,17 +336,10 @@ def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed
     return model.eval().requires_grad_(False)
 
 
-@measurement(
-    "vision",
-    opt("--sizes", "448x448,1024x768", "comma list of WIDTHxHEIGHT images"),
-    opt("--repeats", 3),
-    opt("--threads", 2),
-    opt("--depth", 32, "fewer blocks for a quick look (every 8th full attention)"),
-    opt("--no-fp32", False, "skip the float32 rows"),
-)
+@measurement("vision")
 def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Ours (plain and prepacked) and Transformers' tower in the engine's default CPU dtype, then both in fp32;
-    median and minimum of --repeats runs after a warm-up, the variants taking turns. ratio = time / Transformers'."""
+    median and minimum of 3 runs after a warm-up, the variants taking turns. ratio = time / Transformers'."""
     import numpy as np
     import torch
     from PIL import Image
@@ -370,9 +348,8 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     from vlm_engine.kernels.cpu_isa import has_native_bf16
 
-    torch.set_num_threads(args.threads)
-    full = [i for i in range(args.depth) if i % 8 == 7] if args.depth != 32 else VISION_3B["fullatt_block_indexes"]
-    cfg = Qwen2_5_VLVisionConfig(**(VISION_3B | {"depth": args.depth, "fullatt_block_indexes": full}))
+    torch.set_num_threads(2)
+    cfg = Qwen2_5_VLVisionConfig(**VISION_3B)
     cfg._attn_implementation = "sdpa"
     from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
 
@@ -383,13 +360,13 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         norm = "norm" in name or "ln_q" in name
         state[name] = (1.0 + 0.05 * torch.randn(shape, generator=g)) if norm else 0.02 * torch.randn(shape, generator=g)
     inputs = {}
-    for size in args.sizes.split(","):
-        w, h = (int(v) for v in size.split("x"))
+    for w, h in ((448, 448), (1024, 768)):
+        size = f"{w}x{h}"
         image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (h, w, 3), dtype=np.uint8))
         px = Qwen2VLImageProcessor()(images=[image], return_tensors="pt")
         inputs[f"{size} ({px['pixel_values'].shape[0]} patches)"] = (px["pixel_values"], px["image_grid_thw"])
     dtypes = [torch.bfloat16 if has_native_bf16() else torch.float32]
-    dtypes += [torch.float32] if dtypes[0] != torch.float32 and not args.no_fp32 else []
+    dtypes += [torch.float32] if dtypes[0] != torch.float32 else []
     rows = []
     for dt in dtypes:
         towers = {"Transformers": vision_tower(cfg, state, dt, ours=False),
@@ -401,7 +378,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 return lambda: model(x, grid) if label != "Transformers" else model(x, grid).pooler_output
 
             with torch.inference_mode():
-                times = S.interleaved({label: call(label, m) for label, m in towers.items()}, args.repeats)
+                times = S.interleaved({label: call(label, m) for label, m in towers.items()}, VISION_REPEATS)
             base = times["Transformers"]
             for label, ts in times.items():
                 rows.append([image, str(dt).removeprefix("torch."), label, f"{1e3 * S.median(ts):.0f}",
@@ -410,7 +387,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         del towers
         gc.collect()
     head = ["image", "dtype", "tower", "median ms", "min ms", "ratio (median)", "ratio (min)"]
-    print(f"\nQwen2.5-VL-3B vision tower (depth {args.depth}), {args.threads} threads, median of {args.repeats}\n")
+    print(f"\nQwen2.5-VL-3B vision tower, 2 threads, median of {VISION_REPEATS}\n")
     print("\n".join(S.md_table(head, rows)))
     return {"rows": rows}
 
@@ -637,41 +614,30 @@ def decode_after_prefill(engine: Any, prompts: list[list[int]], new_tokens: int)
             "ms_per_step": round(1000 * elapsed / max(steps, 1), 1)}  # fmt: skip
 
 
-@measurement(
-    "gemma3",
-    opt("--model", "gemma3-4b", "a bench-4b checkpoint (default: build and cache one)"),
-    opt("--long", 8192, "context of the one request whose KV is read after its prefill"),
-    opt("--batch", 4),
-    opt("--batch-context", 2048),
-    opt("--new-tokens", 32),
-    opt("--parts", "kv,decode"),
-)
+LONG, BATCH, BATCH_CONTEXT = 8192, 4, 2048
+
+
+@measurement("gemma3")
 def gemma3(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """The engine as it runs Gemma 3 (window layers' KV in their own pool, pages behind the window given back)
     against `disable_sliding_window` (every layer attends fully). Random token-id prompts, outputs ignore EOS.
-    Heavy: a 4B model prefills ~16k tokens per mode, ~21 GiB peak; run it alone."""
+    KV held after one 8k prefill, decode tok/s at batch 4 x 2k. Heavy: ~16k prefill tokens per mode, ~21 GiB peak."""
     rows = []
     for window in (True, False):
-        engine = build_engine(args.model, kv_cache_tokens=max(args.long, args.batch * args.batch_context) + 256,
+        engine = build_engine("gemma3-4b", kv_cache_tokens=max(LONG, BATCH * BATCH_CONTEXT) + 256,
                               disable_sliding_window=not window, max_num_seqs=8)  # fmt: skip
-        long_prompt = random_prompts(engine, 1, args.long, seed=1)[0]
-        prompts = random_prompts(engine, args.batch, args.batch_context, seed=0)
-        row: dict[str, Any] = {"window": window, "dtype": dtype_name(engine)}
-        if "kv" in args.parts:
-            row["long"] = held_after_prefill(engine, long_prompt)
-        if "decode" in args.parts:
-            row["decode"] = decode_after_prefill(engine, prompts, args.new_tokens)
-        rows.append(row)
+        long_prompt = random_prompts(engine, 1, LONG, seed=1)[0]
+        prompts = random_prompts(engine, BATCH, BATCH_CONTEXT, seed=0)
+        rows.append({"window": window, "dtype": dtype_name(engine), "long": held_after_prefill(engine, long_prompt),
+                     "decode": decode_after_prefill(engine, prompts, 32)})  # fmt: skip
         del engine
         gc.collect()
     on, off = rows
     lines = ["| | window on (own pool) | window off (all layers full) | on / off |", "|---|---:|---:|---:|"]
-    if "kv" in args.parts:
-        a, b = on["long"]["kv_bytes_held"], off["long"]["kv_bytes_held"]
-        lines.append(f"| KV held at {args.long} tokens | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {a / b:.2f}x |")
-    if "decode" in args.parts:
-        a, b = on["decode"]["tok_s"], off["decode"]["tok_s"]
-        lines.append(f"| decode tok/s, batch {args.batch} x {args.batch_context} | {a} | {b} | {a / b:.2f}x |")
+    a, b = on["long"]["kv_bytes_held"], off["long"]["kv_bytes_held"]
+    lines.append(f"| KV held at {LONG} tokens | {a / 2**20:.0f} MiB | {b / 2**20:.0f} MiB | {a / b:.2f}x |")
+    a, b = on["decode"]["tok_s"], off["decode"]["tok_s"]
+    lines.append(f"| decode tok/s, batch {BATCH} x {BATCH_CONTEXT} | {a} | {b} | {a / b:.2f}x |")
     print("\n".join(lines))
     return {"rows": rows}
 
@@ -679,9 +645,7 @@ def gemma3(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 # ---- grammar: llguidance against xgrammar (grammar_libraries.py) -------------------------------------------------
 
 VOCABS = ("smollm2", "qwen2-tiny", "synthetic-151k", "all")
-measurement("grammar", opt("--vocab", "all", "one of " + ", ".join(VOCABS)), opt("--repeats", 3),
-            opt("--threads", os.cpu_count() or 1, "batch and compile threads, both libraries"),
-            opt("--library", "all", "llguidance, xgrammar or all"))(lambda args, out: G.measure(args, out))  # fmt: skip
+measurement("grammar", opt("--vocab", "all", "one of " + ", ".join(VOCABS)), opt("--repeats", 3))(G.measure)
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
