@@ -1,15 +1,6 @@
-"""The A/B runner: variants of our server (flags, environment, or another worktree's code), all up at once,
-the same fresh requests sent to each in turn, round after round in an order that rotates every round, so the
-machine's drift hits every variant alike. Ratios against the first variant are taken round by round (adjacent
-runs) and their median reported; /metrics counters and the servers' CPU seconds are diffed around each run.
-
-    .venv/bin/python benchmarks/ab.py speculative            # off / ngram / ngram-forced (~14 min on 2 cores)
-    .venv/bin/python benchmarks/ab.py metrics                # /metrics scraped vs --disable-log-stats (~13 min)
-    .venv/bin/python benchmarks/ab.py custom --variant base= --variant int4='--quantization int4' \\
-        --variant old=@/path/to/worktree --workloads textchat --concurrency 1,16
-
-Writes benchmarks/results/ab-<set>-<time>/{table.md,results.json} and the servers' logs.
-"""
+"""The A/B runner: variants of our server (flags, environment, another worktree's code) up at once, the same fresh
+requests to each in turn, the order rotating every round; ratios paired round by round. Sets, flags and what they
+measured: benchmarks/README.md ("Speculative decoding", "Metrics overhead")."""
 
 from __future__ import annotations
 
@@ -109,12 +100,11 @@ def scraping(base_url: str, every_s: float) -> Any:
             thread.join()
 
 
-def one_run(server: peers.ManagedServer, variant: Variant, requests: list[W.BenchRequest], c: int,
-            timeout_s: float) -> dict[str, Any]:  # fmt: skip
+def one_run(server: peers.ManagedServer, variant: Variant, requests: list[W.BenchRequest], c: int) -> dict[str, Any]:
     """One variant, one point: the summary, counter deltas, server CPU seconds per 1k output tokens, texts."""
     url = server.base_url + "/v1/chat/completions"
     by_index = {r.index: r for r in requests}
-    point = C.LoadPoint("closed", c, len(requests), 3600.0, timeout_s)
+    point = C.LoadPoint("closed", c, len(requests), 3600.0, 300.0)
     assert server.proc is not None
     cpu0, m0 = peers.tree_cpu_seconds(server.proc.pid), C.scrape_metrics(server.base_url) or {}
     with scraping(server.base_url, variant.scrape_s):
@@ -132,7 +122,7 @@ def one_run(server: peers.ManagedServer, variant: Variant, requests: list[W.Benc
     }
 
 
-def run_set(vs: VariantSet, args: argparse.Namespace, out: Path) -> dict[str, list[dict[str, Any]]]:
+def run_set(vs: VariantSet, out: Path) -> dict[str, list[dict[str, Any]]]:
     """Every variant up at once; rounds x concurrency x workload; returns runs keyed 'workload/c=N/variant'."""
     hf_dir = str(models.model_dir(vs.model))
     runs: dict[str, list[dict[str, Any]]] = {}
@@ -143,7 +133,7 @@ def run_set(vs: VariantSet, args: argparse.Namespace, out: Path) -> dict[str, li
             up[v.name] = stack.enter_context(peers.ManagedServer(spec, out / "logs", startup_timeout_s=900))
             print(f"{v.name}: up at {up[v.name].base_url} in {up[v.name].startup_s:.1f} s", flush=True)
         model = C.served_model_id(up[vs.variants[0].name].base_url)
-        factories = {w: W.RequestFactory(spec_of(w, vs), model, "vlm-engine", args.seed) for w in vs.workloads}
+        factories = {w: W.RequestFactory(spec_of(w, vs), model, "vlm-engine") for w in vs.workloads}
         for v in vs.variants:  # warm-up, not measured: one request per workload
             for w, f in factories.items():
                 record = asyncio.run(C.probe(up[v.name].base_url + "/v1/chat/completions", f.build(WARMUP_INDEX)))
@@ -158,7 +148,7 @@ def run_set(vs: VariantSet, args: argparse.Namespace, out: Path) -> dict[str, li
                 for w, f in factories.items():
                     requests = [f.build(first + i) for i in range(n)]
                     for v in order:
-                        run = one_run(up[v.name], v, requests, c, args.request_timeout) | {"round": r}
+                        run = one_run(up[v.name], v, requests, c) | {"round": r}
                         runs.setdefault(f"{w}/c={c}/{v.name}", []).append(run)
                         print(f"round {r + 1}/{vs.rounds} {S.one_line(f'{w} c={c} {v.name}', _summary(run))}", flush=True)
     return runs
@@ -212,19 +202,15 @@ def parse_variant(text: str) -> Variant:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("set", choices=sorted(SETS))
     p.add_argument("--variant", action="append", default=[], help="NAME=ARGS or NAME=@WORKTREE [ARGS] (repeatable)")
     p.add_argument("--model", default=None, help="a models.MODELS alias or a checkpoint directory")
     p.add_argument("--workloads", default=None)
     p.add_argument("--concurrency", default=None)
-    p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--requests", type=int, default=None, help="requests per point at concurrency 1")
     p.add_argument("--waves", type=int, default=None, help="requests per point above 1 = waves x concurrency")
-    p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="smoke: 1 round, 2 requests per point, 16 tokens, c=1,2")
-    p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     vs = SETS[args.set]
@@ -233,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:  # the forced variant needs concurrency 8: a smoke run leaves it out
         vs = replace(vs, concurrency=(1, 2), rounds=1, requests=2, waves=1, max_tokens=16,
                      variants=tuple(v for v in vs.variants if v.min_concurrency <= 2))  # fmt: skip
-    given = {"model": args.model, "rounds": args.rounds, "requests": args.requests, "waves": args.waves,
-             "max_tokens": args.max_tokens,
+    given = {"model": args.model, "requests": args.requests, "waves": args.waves,
              "workloads": tuple(args.workloads.split(",")) if args.workloads else None,
              "concurrency": tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else None}  # fmt: skip
     vs = replace(vs, **{k: v for k, v in given.items() if v is not None})
@@ -246,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_engine.kernels.cpu_isa import isa_tier
 
     t0 = time.monotonic()
-    runs = run_set(vs, args, out)
+    runs = run_set(vs, out)
     lines = [
         f"# A/B: {args.set} — {time.strftime('%Y-%m-%d %H:%M')}", "",
         f"Command: `.venv/bin/python benchmarks/ab.py {' '.join(argv)}`", "",

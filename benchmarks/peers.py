@@ -459,14 +459,15 @@ def shipped_q4_1() -> Path:
 
 
 def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int | None,
-              llama: LlamaCpp | None = None, server_args: tuple[str, ...] = (), llama_args: tuple[str, ...] = ()) -> ServerSpec:  # fmt: skip
+              llama: LlamaCpp | None = None) -> ServerSpec:  # fmt: skip
     """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack], llama.cpp <GGUF type>,
     transformers [<dtype>], vllm [<dtype>]. `model` is a models.Model row."""
     base, _, extra = name.partition(" + ")
     peer, _, variant = base.partition(" ")
     dtypes = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
     if peer == "ours":
-        args, src = server_args, str(hf_dir)
+        args: tuple[str, ...] = ()
+        src = str(hf_dir)
         if variant in ("int4", "int8"):
             args = ("--quantization", variant, *args)
             src = str(shipped_q4_1()) if variant == "int4" and model.shipped_q4_1 else src
@@ -484,7 +485,7 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             gguf = llama.convert(hf_dir, LLAMA_TYPES[kind])
         else:  # a llama-quantize type, from the model's lossless conversion
             gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from), kind)
-        args = tuple(llama_args)
+        args = ()
         if model.vision:
             mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
             args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True)), *args)

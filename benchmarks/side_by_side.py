@@ -1,15 +1,6 @@
-"""The side-by-side runner: our server and its peers on the same weights, the same requests and the same
-client, each server freshly started, one after the other (repetitions in the same order), medians over
-repetitions, one markdown table per suite.
-
-    .venv/bin/python benchmarks/side_by_side.py SUITE [--quick | --smoke] [--reps N] [--sides A,B] ...
-
-A suite is one row of SUITES: plans (workload, model alias from models.MODELS, load points, requests per
-point), sides (peers.side_spec names: "ours", "ours int4", "llama.cpp F32", "transformers bf16", "vllm" ...)
-and the table's columns. llama.cpp sides find llama-server (--llama-server, $LLAMA_SERVER, PATH, ~/llamacpp;
---build makes it) and convert our checkpoint with its own converter, cached. Writes
-benchmarks/results/<suite>-<time>/{table.md,results.json} and each server's log.
-"""
+"""The side-by-side runner: our server and its peers on the same weights, requests and client, each server started
+fresh, one after the other; medians over repetitions, one markdown table per suite (a row of SUITES).
+benchmarks/README.md, "The one command", says how to run it and what it writes."""
 
 from __future__ import annotations
 
@@ -32,6 +23,7 @@ import serve_bench as SB
 import stats as S
 
 RESULTS = Path(__file__).resolve().parent / "results"
+MAX_DURATION_S, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S = 240.0, 900.0, 900.0  # per point, per request, per server
 
 
 @dataclass(frozen=True)
@@ -154,7 +146,7 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
     info: dict[str, Any] = {"server": spec.name, "rep": rep, "model_dir": str(hf_dir), "kv": spec.kv_tokens}
     sent = 0  # requests so far on this server: every point gets fresh prompts and images
     try:
-        with peers.ManagedServer(spec, out / "logs", startup_timeout_s=args.startup_timeout) as server:
+        with peers.ManagedServer(spec, out / "logs", startup_timeout_s=STARTUP_TIMEOUT_S) as server:
             assert server.proc is not None
             sampler = peers.TreeSampler(server.proc.pid).start()
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
@@ -168,9 +160,9 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
                         cfg = SB.BenchConfig(
                             base_url=server.base_url, workloads=[plan.workload],
                             concurrency=[int(value)] if mode == "closed" else [], rates=[value] if mode == "open" else [],
-                            num_requests=n, max_duration_s=args.max_duration, request_timeout_s=args.request_timeout,
-                            warmup=args.warmup if k == 0 else 0, model_dir=str(hf_dir), flavor=spec.flavor,
-                            text_only=not vision, server_label=spec.name, overrides=overrides(plan, args),
+                            num_requests=n, max_duration_s=MAX_DURATION_S, request_timeout_s=REQUEST_TIMEOUT_S,
+                            warmup=1 if k == 0 else 0, model_dir=str(hf_dir), flavor=spec.flavor,
+                            text_only=not vision, server_label=spec.name, overrides=plan.overrides,
                             dtype=GGUF_DTYPES.get(spec.label.partition(" + ")[0].rpartition(" ")[2]), first_index=sent,
                         )  # fmt: skip
                         result = SB.run_bench(cfg, log=lambda line: print(f"  {spec.name:>24} {line}", flush=True))
@@ -186,15 +178,6 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
         print(f"{spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
         info["error"] = f"{type(exc).__name__}: {exc}"[:1000]
     return points, info
-
-
-def overrides(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    out = dict(plan.overrides)
-    if args.output_tokens:
-        out["output_tokens"] = (args.output_tokens, args.output_tokens)
-    if args.shared_prefix_tokens is not None:
-        out["shared_prefix_tokens"] = args.shared_prefix_tokens
-    return out
 
 
 def kv_log_line(log: str) -> str:
@@ -225,8 +208,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, out: Path) -> tuple[list[d
                 row = models.model_of(alias)
                 slots = max(max(p.concurrency, default=1) for p in plans)
                 try:
-                    spec = peers.side_spec(side, row, dirs[alias], slots=slots, kv_tokens=suite.kv_tokens, llama=llama,
-                                           server_args=tuple(args.server_arg), llama_args=tuple(args.llama_arg))  # fmt: skip
+                    spec = peers.side_spec(side, row, dirs[alias], slots=slots, kv_tokens=suite.kv_tokens, llama=llama)
                 except (FileNotFoundError, ValueError, OSError) as exc:
                     infos.append({"server": side, "rep": rep, "error": f"{type(exc).__name__}: {exc}"[:1000]})
                     print(f"{side}: {exc}", flush=True)
@@ -357,7 +339,7 @@ def report(suite_name: str, suite: Suite, sides: list[str], points: list[dict[st
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("suite", choices=sorted(SUITES))
     p.add_argument("--sides", default=None, help="comma list of side names (default: the suite's)")
     p.add_argument("--plans", default=None, help="comma list of the suite's plan labels")
@@ -367,16 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="one request per point, 16 output tokens, no open loop")
     p.add_argument("--requests", type=int, default=0, help="requests per point (default: the plan's)")
     p.add_argument("--concurrency", default=None, help="comma list: replaces every plan's closed-loop points")
-    p.add_argument("--output-tokens", type=int, default=0)
-    p.add_argument("--shared-prefix-tokens", type=int, default=None)
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per plan per server")
-    p.add_argument("--max-duration", type=float, default=240.0, help="per point: no new requests after this many s")
-    p.add_argument("--request-timeout", type=float, default=900.0)
-    p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--llama-server", default=None)
     p.add_argument("--build", action="store_true", help="build llama-server (~15 min on 2 cores) if none is found")
-    p.add_argument("--server-arg", action="append", default=[], help="extra argument for our server (repeatable)")
-    p.add_argument("--llama-arg", action="append", default=[], help="extra llama-server argument (repeatable)")
     p.add_argument("--prepare-only", action="store_true", help="build checkpoints and GGUF files, start nothing")
     p.add_argument("--no-decode-roofline", action="store_true")
     p.add_argument("--out", type=Path, default=None)
@@ -387,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         plans = [replace(pl, model=args.model) for pl in plans]
     if args.concurrency:
         plans = [replace(pl, concurrency=tuple(int(c) for c in args.concurrency.split(","))) for pl in plans]
-    if args.quick or args.smoke:
-        plans = [replace(pl, per_slot=1, min_requests=1 if args.smoke else min(pl.min_requests, 8),
-                         rates=() if args.smoke else pl.rates) for pl in plans]  # fmt: skip
-        args.output_tokens = args.output_tokens or (16 if args.smoke else 0)
+    if args.quick:
+        plans = [replace(pl, per_slot=1, min_requests=min(pl.min_requests, 8)) for pl in plans]
+    if args.smoke:
+        plans = [replace(pl, per_slot=1, min_requests=1, rates=(), overrides=pl.overrides | {"output_tokens": (16, 16)})
+                 for pl in plans]  # fmt: skip
     suite = replace(suite, plans=tuple(plans), sides=tuple(args.sides.split(",")) if args.sides else suite.sides)
     out = args.out or RESULTS / time.strftime(f"{args.suite}-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
