@@ -197,7 +197,9 @@ def response_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: in
     }
 
 
-def message_item(item_id: str, status: str, text: str | None = None, logprobs: list[Any] | None = None) -> dict[str, Any]:
+def message_item(
+    item_id: str, status: str, text: str | None = None, logprobs: list[Any] | None = None
+) -> dict[str, Any]:
     content = [] if text is None else [output_text(text, logprobs)]
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 

@@ -140,7 +140,8 @@ def _api_error(error: str, root: Any, at: str) -> ApiError:
     missing = re.match(r"Object missing required field `(\w+)`", what)
     path += f".{missing[1]}" if missing else ""  # told at the field, which is absent (None)
     value, path = _value_at(root, path), (at + path).lstrip(".")
-    rule = ERRORS.get(re.sub(r"\[\d+\]", "[]", path))
+    key = re.sub(r"\[\d+\]", "[]", path)
+    rule = ERRORS.get(key) or ERRORS.get(key.removesuffix("[]"))
     if rule is not None:
         message, param = rule if isinstance(rule, tuple) else (rule, "{path}")
         fields = {"path": path, "parent": re.sub(r"(\.\w+|\[\d+\])$", "", path), "value": value}
@@ -148,7 +149,7 @@ def _api_error(error: str, root: Any, at: str) -> ApiError:
     bound = re.match(r"Expected `int` [<>]= (-?\d+)", what)
     kinds = re.match(r"Expected `([^`]+)`, got", what)
     if bound and abs(int(bound[1])) >= 2**63 - 1:
-        message = f"'{path}' must be a 64-bit integer, got {_short(value)}"
+        message = f"'{path}' must be a 64-bit integer, got {value}"  # check_body let at most 20 digits through
     elif bound:
         message = f"'{path}' must be at least {bound[1]}, got {value}"
     elif kinds:
@@ -170,11 +171,6 @@ def _value_at(root: Any, path: str) -> Any:
         else:
             return None
     return node
-
-
-def _short(value: int) -> str:
-    text = str(value)
-    return text if len(text) <= 24 else f"{text[:10]}...({len(text)} digits)"
 
 
 def _between(name: str, value: int, low: int, high: int) -> None:

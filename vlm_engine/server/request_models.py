@@ -2,10 +2,11 @@
 
 msgspec, not pydantic: the API process already decodes every body (and the IPC) with msgspec;
 converting a typical decoded chat body into ChatBody takes ~0.35 us, pydantic 2's strict
-validation of the same model ~2.5 us (side by side, issue 48), on the hot path of every request. msgspec is as strict as the hand checks it replaces (no "5" -> 5, no
-true -> 1; an integer is a number), stops at the first error, and names it by a JSON path
-(`$.input[0].role`) that is already the `param` clients are told. What its words do not say as
-this server always has, `ERRORS` does, through the one mapper (`protocol.typed`).
+validation of the same model ~2.5 us (side by side, issue 48), on the hot path of every request.
+msgspec is as strict as the hand checks it replaces (no "5" -> 5, no true -> 1; an integer is a
+number), stops at the first error, and names it by a JSON path (`$.input[0].role`) that is
+already the `param` clients are told. What its words do not say as this server always has,
+`ERRORS` does, through the one mapper (`protocol.typed`).
 
 Unknown fields are ignored; a top-level `null` means "not given" (protocol drops those first).
 What other modules check (`messages`, `tools`, `response_format`, `tool_choice`: the workers and
@@ -139,6 +140,9 @@ class ResponsesBody(Struct):
     user: str | None = None
     store: bool = True
     stream: bool = False
+    temperature: Number = 1.0  # typed here too for the echo; chat checks their ranges
+    top_p: Number = 1.0
+    parallel_tool_calls: bool = True
     max_output_tokens: Positive | None = None
     top_logprobs: Int64 | None = None
     tools: list[FunctionTool] | None = None
@@ -207,18 +211,17 @@ class InputItems(Struct):
 
 # Path (indices as [], dict keys as [...]) -> message, or (message, param). Templates see `path`,
 # `parent` (the path less its last step) and `value` (what the client sent there; None if absent).
-# Paths not here get the generic messages of `protocol.typed`.
+# An element's path not here ("stop[]") gets its array's entry; paths in neither get the generic
+# messages of `protocol.typed`.
 _PART = "{parent}: content part type {value!r} is not supported"
 _PARTS = "{path} must be a string or an array of parts"
 _STRING = "{path} must be a string"
 _OBJECT = "{path} must be an object"
 ERRORS: dict[str, str | tuple[str, str]] = {
     "messages": "'messages' must be a non-empty array",
-    **dict.fromkeys(("stop", "stop[]"), ("'stop' must be a non-empty string or a list of non-empty strings", "stop")),
-    **dict.fromkeys(
-        ("stop_token_ids", "stop_token_ids[]"), ("'stop_token_ids' must be a list of integers", "stop_token_ids")
-    ),
-    **dict.fromkeys(("tokens", "tokens[]"), ("'tokens' must be an array of integers", "tokens")),
+    "stop": ("'stop' must be a non-empty string or a list of non-empty strings", "stop"),
+    "stop_token_ids": ("'stop_token_ids' must be a list of integers", "stop_token_ids"),
+    "tokens": ("'tokens' must be an array of integers", "tokens"),
     "input": "'input' must be a string or a non-empty array of items",
     "metadata": "'metadata' must be an object of at most 16 string values",
     "metadata[...]": ("'metadata' keys are at most 64 characters and values strings of at most 512", "metadata"),

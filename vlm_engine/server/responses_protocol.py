@@ -102,19 +102,10 @@ def parse_responses(
             raise P.ApiError(400, why, param=name)
     if req.truncation != "disabled":
         raise P.ApiError(400, "only 'truncation': 'disabled' is supported", param="truncation")
-    messages: list[dict[str, Any]] = []
-    origins_of: list[str] = []
-    if req.instructions:
-        messages.append({"role": "system", "content": req.instructions})
-        origins_of.append("instructions")
-    history_start = len(messages)
-    for message in previous or []:
-        messages.append(message)
-        origins_of.append("previous_response")
-    for message, origin in input_messages(req.input):
-        messages.append(message)
-        origins_of.append(origin)
-    origins = Origins(origins_of)
+    instructions = [({"role": "system", "content": req.instructions}, "instructions")] if req.instructions else []
+    sent = [*instructions, *((m, "previous_response") for m in previous or []), *input_messages(req.input)]
+    messages = [message for message, _ in sent]
+    origins = Origins([origin for _, origin in sent])
     tools = _chat_tools(req.tools)
     try:
         parsed = P.parse_chat(
@@ -126,7 +117,7 @@ def parse_responses(
         generate=dataclasses.replace(parsed, api="responses"),
         messages=messages,
         origins=origins,
-        history_start=history_start,
+        history_start=len(instructions),
         echo=_echo(body, req, tools),
         store=req.store,
     )
@@ -167,16 +158,6 @@ def _response_format(text: M.TextConfig | None) -> dict[str, Any] | None:
         spec = {"name": fmt.name, "schema": fmt.schema, "strict": bool(fmt.strict)}
         return {"type": "json_schema", "json_schema": spec}
     return {"type": "json_object" if isinstance(fmt, M.JsonObjectFormat) else "text"}
-
-
-def text_config(response_format: dict[str, Any] | None) -> dict[str, Any]:
-    """The `text` field of a Response object."""
-    if response_format is None or response_format["type"] == "text":
-        return {"format": {"type": "text"}}
-    if response_format["type"] == "json_object":
-        return {"format": {"type": "json_object"}}
-    spec = response_format["json_schema"]
-    return {"format": {"type": "json_schema", "name": spec["name"], "schema": spec["schema"], "strict": spec["strict"]}}
 
 
 def function_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -255,22 +236,19 @@ def _parts(parts: list[M.Part], where: str) -> list[dict[str, Any]]:
 
 
 def _echo(body: dict[str, Any], req: M.ResponsesBody, tools: list[dict[str, Any]] | None) -> dict[str, Any]:
-    choice = body.get("tool_choice")
+    choice = body.get("tool_choice")  # as sent: a FunctionChoice is echoed as its object
+    text_format = _response_format(req.text) or {"type": "text"}  # the chat form's json_schema is the echo's
     return {
         "instructions": req.instructions,
-        "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {},
-        "parallel_tool_calls": _or(body.get("parallel_tool_calls"), True),
+        "max_output_tokens": req.max_output_tokens,
+        "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": body.get("previous_response_id"),
-        "temperature": float(_or(body.get("temperature"), 1.0)),
-        "text": text_config(_response_format(req.text)),
+        "temperature": float(req.temperature),
+        "text": {"format": {"type": text_format["type"], **text_format.get("json_schema", {})}},
         "tool_choice": choice if choice is not None else ("auto" if tools else "none"),
         "tools": [{"type": "function", **t["function"]} for t in tools or []],
-        "top_logprobs": body.get("top_logprobs"),
-        "top_p": float(_or(body.get("top_p"), 1.0)),
-        "user": body.get("user"),
+        "top_logprobs": req.top_logprobs,
+        "top_p": float(req.top_p),
+        "user": req.user,
     }
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
