@@ -1,21 +1,12 @@
-"""An asyncio + httpx streaming client for OpenAI-compatible chat endpoints, and the two arrival
-processes: closed loop (fixed concurrency) and open loop (Poisson at a fixed rate).
-
-Timing rules (what every number in a report means):
-- TTFT: request sent -> first chunk that carries content (text or reasoning).
-- ITL: gaps between consecutive content chunks, divided by the tokens each chunk carried when a
-  chunk carries more than one (our server sends one chunk per token; others may not).
-- TPOT: (e2e - TTFT) / (output_tokens - 1).
-- output_tokens / prompt_tokens / cached_tokens: from the final `usage` chunk when the server
-  sends one; otherwise output tokens = number of content chunks.
-"""
+"""The one client: asyncio + httpx SSE streaming, closed loop (fixed concurrency) and open loop (Poisson); what
+each timing means: benchmarks/README.md, "Metrics"."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -59,10 +50,6 @@ async def sse_lines(response: httpx.Response) -> AsyncIterator[str]:
         yield buffer.rstrip(b"\r").decode("utf-8", errors="replace")
 
 
-def parse_sse_lines(lines: Iterable[str]) -> Iterator[SSEEvent]:
-    return (event for line in lines if (event := sse_event(line)) is not None)
-
-
 def chunk_content(chunk: dict[str, Any]) -> str:
     """Text a chat.completion(.chunk) or text_completion chunk adds (content or reasoning)."""
     out = []
@@ -97,7 +84,6 @@ class RequestRecord:
     error: str | None = None
     text: str = ""
     finish_reason: str | None = None
-    server_timings: dict[str, Any] | None = None  # llama-server's own: prompt_ms (image included), predicted_ms
 
     @property
     def ok(self) -> bool:
@@ -195,8 +181,6 @@ def apply_chunk(record: RequestRecord, chunk: dict[str, Any], now: float) -> Non
         record.first_chunk_s = now
     for choice in choices:
         record.finish_reason = choice.get("finish_reason") or record.finish_reason
-    if isinstance(chunk.get("timings"), dict):
-        record.server_timings = chunk["timings"]
     text = chunk_content(chunk)
     if text:
         if record.first_token_s is None:

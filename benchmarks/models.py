@@ -1,8 +1,5 @@
-"""The models the benchmarks serve, as one table: an alias, how its checkpoint is made (offline, by
-testkit's cached builders), and what a llama.cpp side needs to serve the same weights.
-
-Add a model with one row; every runner (side_by_side, ab, serve_bench, roofline) takes the alias.
-"""
+"""The models the benchmarks serve, one row each: an alias, its offline checkpoint builder (testkit), and what a
+llama.cpp side needs to serve the same weights."""
 
 from __future__ import annotations
 

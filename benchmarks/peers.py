@@ -311,23 +311,18 @@ def tree_cpu_seconds(pid: int) -> dict[str, float]:
 # ---- llama.cpp: the server, its converter and quantizer ------------------------------------------------------
 
 
-def _forced_avx2() -> bool:
+def _build_dir() -> str:
+    """With VLM_ENGINE_ISA=avx2 forcing our AVX2 path on a bigger CPU, llama.cpp gets an AVX2 + FMA build of its own
+    (build-avx2/), so both sides run the Zen 3 code."""
     from vlm_engine.kernels.cpu_isa import forced_isa
 
-    return forced_isa() == "avx2"
-
-
-def _build_dir() -> str:
-    """With VLM_ENGINE_ISA=avx2 forcing our AVX2 path on a bigger CPU, llama.cpp gets an AVX2 + FMA build of
-    its own, so both sides run the Zen 3 code."""
-    return "build-avx2" if _forced_avx2() else "build"
+    return "build-avx2" if forced_isa() == "avx2" else "build"
 
 
 # What GGML_NATIVE=OFF keeps for an AVX2 + FMA CPU (Zen 3, Haswell): no AVX-512, no AVX-VNNI.
 AVX2_GGML_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                    "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]  # fmt: skip
-# On a CPU with AMX, GGML_NATIVE compiles ggml's AMX kernels, and in this VM llama-server died with SIGSEGV in
-# them at the Q4_1 model's warm-up: the native build without AMX is what a user there can run.
+# A native build on an AMX CPU died with SIGSEGV in ggml's AMX kernels here (PEERS.md): build it without them.
 NO_AMX_CFLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
@@ -341,7 +336,7 @@ def find_llama_server(explicit: str | None = None) -> Path | None:
 
 
 def build_llama_server() -> Path:
-    """PEERS.md's recipe: llama-cpp-python's sdist from PyPI vendors the whole llama.cpp tree (~15 min)."""
+    """PEERS.md's recipe, the only way to get llama-server here: the llama-cpp-python sdist vendors llama.cpp."""
     from vlm_engine.kernels.cpu_isa import cpu_flags
 
     LLAMACPP_ROOT.mkdir(parents=True, exist_ok=True)
@@ -351,18 +346,18 @@ def build_llama_server() -> Path:
     sdist = max(LLAMACPP_ROOT.glob("llama_cpp_python-*.tar.gz"))
     subprocess.run(["tar", "xzf", str(sdist), "-C", str(LLAMACPP_ROOT)], check=True)
     tree = LLAMACPP_ROOT / sdist.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    out = _build_dir()
     flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_OPENSSL=OFF"]  # fmt: skip
-    if _forced_avx2():
+    if out == "build-avx2":
         flags += AVX2_GGML_FLAGS
     else:
         flags += ["-DGGML_NATIVE=ON"]
         if "amx_tile" in cpu_flags():
             flags += [f"-DCMAKE_C_FLAGS={NO_AMX_CFLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_CFLAGS}"]
-    out = _build_dir()
     subprocess.run(["cmake", "-B", out, "-G", "Ninja", *flags], cwd=tree, check=True)
-    jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", out, "-j", jobs, "--target", "llama-server", "llama-quantize"], cwd=tree, check=True)  # fmt: skip
+    targets = ["--target", "llama-server", "llama-quantize"]
+    subprocess.run(["cmake", "--build", out, "-j", str(os.cpu_count() or 2), *targets], cwd=tree, check=True)
     return tree / out / "bin" / "llama-server"
 
 

@@ -1,6 +1,5 @@
-"""PNG plots (matplotlib, headless): a sweep's latency and throughput against load, one row per workload and
-a line per server (serve_bench's `points`: `server`, `workload`, `mode`, `value`, `summary`); and the host
-overhead's stacked time per decode step (inproc.py host)."""
+"""PNG plots (matplotlib, headless): latency and throughput against load per workload and server (serve_bench),
+and the stacked time per decode step against batch size (inproc.py host)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Roofline: the machine's measured matmul FLOP/s and memory bandwidth, and what fraction of each the engine
-reaches during decode. Every report carries its one line (`roofline_line`).
-
-    .venv/bin/python benchmarks/roofline.py [--refresh]      # the ceilings (cached per CPU tier), or re-measured
-    .venv/bin/python benchmarks/inproc.py roofline --model smollm2 --dtype bfloat16 --batch 64 --context 512
-
-Decode, one step at batch B, mean context L: FLOPs/token = 2 * (decoder linear + LM head params) + 4 * layers *
-q_heads * head_dim * L; bytes/step = (decoder linear + LM head) weight bytes + B * L * KV bytes/token. Embedding
-lookups and the vision tower are left out (decode does not run them).
-"""
+"""Roofline: the machine's measured matmul FLOP/s and memory bandwidth (cached per CPU tier; `roofline.py
+--refresh` re-measures), and the fraction of each a decode step reaches: benchmarks/README.md, "Metrics"."""
 
 from __future__ import annotations
 

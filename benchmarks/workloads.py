@@ -1,22 +1,5 @@
-"""The one workload set: every request any benchmark sends, as deterministic OpenAI chat payloads.
-
-- chatbot:    a long shared system prompt (default 2,000 tokens), usually the same image, a short question,
-              32..200 output tokens; latency-sensitive.
-- agent:      a long shared prefix (tool docs + history, default 3,000 tokens), a short task, 512 output
-              tokens; latency-tolerant.
-- data:       a different image per request, a fixed "answer in JSON" instruction, 32
-              output tokens; throughput-bound.
-- textchat:   plain streaming chat, 64 output tokens: decode speed at a given concurrency.
-- placard:    apps/placard's data processor: a fresh photo-like 640x480 JPEG, the curator prompt and its
-              `response_format` json_schema, at most 64 tokens (the grammar may end it sooner).
-- imagechat:  a fresh photo-like 640x480 JPEG and one of four questions, 64 tokens.
-- extraction: a synthetic document and an instruction whose answer copies spans of it (what speculative
-              decoding's prompt lookup feeds on); 128 tokens at most, EOS allowed.
-- chat:       open-ended prompts whose answers do not repeat the prompt; 128 tokens at most, EOS allowed.
-
-Everything is a pure function of (workload spec, request index, seed), so every server under test gets
-byte-identical requests. Nothing here talks to a server.
-"""
+"""The one workload set (DEFAULT_SPECS) as deterministic OpenAI chat payloads: a pure function of (spec, request
+index, seed), so every server under test gets byte-identical requests. benchmarks/README.md, "Workloads"."""
 
 from __future__ import annotations
 
