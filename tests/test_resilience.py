@@ -1,7 +1,7 @@
 """Faults and long load against one real server (issue 16): a media URL that stalls holds no worker
 and is ended by the request's media time budget; a preprocess worker killed with SIGKILL is
 restarted and only the prompts it held fail; and a short soak at concurrency 32 with aborting and
-misbehaving clients mixed in (benchmarks/soak.py; its 30-minute run is the benchmark).
+misbehaving clients mixed in (tests/soak.py, over the benchmarks' client and workloads).
 
 The engine core and detokenizer dying (clients get errors, the server exits non-zero) and the
 queue-full 503 with Retry-After are in test_server_lifecycle."""
@@ -29,8 +29,8 @@ from tests.conftest import make_image
 from tests.server_helpers import ARTIFACTS, ServerProcess, running
 from tests.test_server_lifecycle import StreamReader, slow_image_server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import soak as S
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # soak drives the benchmarks' client
+from tests import soak as S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -1,6 +1,6 @@
 """Soak: a server under steady load with clients that give up and clients that send garbage mixed in; `soak()`
 reports whether every good request was answered, every bad one got a 4xx, no KV page leaked and RSS and p99 held.
-tests/test_resilience.py runs it for two minutes."""
+tests/test_resilience.py runs it for two minutes, with benchmarks/ on sys.path (it uses their client and workloads)."""
 
 from __future__ import annotations
 
