@@ -84,7 +84,9 @@ class ServerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+    def wait_healthy(self, timeout_s: float = 360.0) -> None:
+        # A server's core may (re)build its C++ extensions before it is ready (~30 s each on 2 cores;
+        # three on a fresh machine): 180 s was once not enough for placard-default's first start.
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
