@@ -10,7 +10,6 @@ import contextlib
 import json
 import shlex
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,7 +25,6 @@ import stats as S
 import workloads as W
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WARMUP_INDEX = 900_000
 SPEC_COUNTERS = {  # vlm-engine's speculative decoding counters
     "drafts": "vlm_engine:spec_decode_num_drafts_total",
     "draft_tokens": "vlm_engine:spec_decode_num_draft_tokens_total",
@@ -86,30 +84,16 @@ def copied_share(text: str, source: str, window: int = 12) -> float | None:
     return sum(covered) / len(covered)
 
 
-@contextlib.contextmanager
-def scraping(base_url: str, every_s: float) -> Any:
-    stop = threading.Event()
-    thread = threading.Thread(target=lambda: [C.scrape_metrics(base_url) for _ in iter(lambda: stop.wait(every_s), True)])
-    if every_s > 0:
-        thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if every_s > 0:
-            thread.join()
-
-
 def one_run(server: peers.ManagedServer, variant: Variant, requests: list[W.BenchRequest], c: int) -> dict[str, Any]:
     """One variant, one point: the summary, counter deltas, server CPU seconds per 1k output tokens, texts."""
     url = server.base_url + "/v1/chat/completions"
     by_index = {r.index: r for r in requests}
     point = C.LoadPoint("closed", c, len(requests), 3600.0, 300.0)
     assert server.proc is not None
-    cpu0, m0 = peers.tree_cpu_seconds(server.proc.pid), C.scrape_metrics(server.base_url) or {}
-    with scraping(server.base_url, variant.scrape_s):
+    cpu0, m0 = peers.tree_cpu_seconds(server.proc.pid), C.scrape_metrics(server.base_url)
+    with peers.every(variant.scrape_s, lambda: C.scrape_metrics(server.base_url)):
         records, duration = asyncio.run(C.run_point(url, by_index.__getitem__, point, first_index=requests[0].index))
-    cpu1, m1 = peers.tree_cpu_seconds(server.proc.pid), C.scrape_metrics(server.base_url) or {}
+    cpu1, m1 = peers.tree_cpu_seconds(server.proc.pid), C.scrape_metrics(server.base_url)
     summary = S.summarize(records, duration)
     tokens = summary.output_throughput * duration
     copied = [copied_share(r.text, by_index[r.index].source) for r in records if by_index[r.index].source]
@@ -136,7 +120,7 @@ def run_set(vs: VariantSet, out: Path) -> dict[str, list[dict[str, Any]]]:
         factories = {w: W.RequestFactory(spec_of(w, vs), model, "vlm-engine") for w in vs.workloads}
         for v in vs.variants:  # warm-up, not measured: one request per workload
             for w, f in factories.items():
-                record = asyncio.run(C.probe(up[v.name].base_url + "/v1/chat/completions", f.build(WARMUP_INDEX)))
+                record = asyncio.run(C.probe(up[v.name].base_url + "/v1/chat/completions", f.build(W.WARMUP_INDEX)))
                 if not record.ok:
                     raise RuntimeError(f"{v.name}: warm-up request failed: {record.error}")
         for r in range(vs.rounds):
@@ -245,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     if shares:
         lines += [f"Extraction answers copied verbatim from their documents (median share): {S.median(shares):.0%}.", ""]
     (out / "table.md").write_text("\n".join(lines))
-    doc = {"set": asdict(vs), "runs": {k: [{x: y for x, y in r.items()} for r in rs] for k, rs in runs.items()}}
-    (out / "results.json").write_text(json.dumps(doc, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps({"set": asdict(vs), "runs": runs}, indent=1, default=str))
     print("\n".join(lines))
     return 0
 

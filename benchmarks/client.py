@@ -317,15 +317,10 @@ def served_model_id(base_url: str) -> str | None:
         return None
 
 
-def scrape_metrics(base_url: str) -> dict[str, float] | None:
-    """Prometheus samples from GET /metrics (ours: `vlm_engine:` counters, e.g. per-step times)."""
+def scrape_metrics(base_url: str) -> dict[str, float]:
+    """Prometheus samples from GET /metrics (ours: `vlm_engine:` counters, e.g. per-step times); {} if none."""
     try:
         r = httpx.get(base_url.rstrip("/") + "/metrics", timeout=5.0)
-    except httpx.HTTPError:
-        return None
-    if r.status_code != 200:
-        return None
-    try:
-        return parse_metrics(r.text)
-    except ValueError:  # not the Prometheus text format
-        return None
+        return parse_metrics(r.text) if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):  # ValueError: not the Prometheus text format
+        return {}

@@ -53,10 +53,6 @@ def write_guidellm_data(requests: list[W.BenchRequest], path: Path) -> None:
             f.write(json.dumps({"prompt": message["content"], "output_tokens_count": r.output_tokens}) + "\n")
 
 
-def server_counters(base_url: str) -> dict[str, float]:
-    return C.scrape_metrics(base_url) or {}
-
-
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Steps and forward ms per step while one client ran (NaN for servers without our counters)."""
     d = {k: after.get(f"vlm_engine:{k}", math.nan) - before.get(f"vlm_engine:{k}", math.nan)
@@ -80,9 +76,9 @@ def with_counters(result: dict[str, float], counters: dict[str, float], client_c
 def run_with_counters(base_url: str, run: Callable[[], dict[str, float]]) -> dict[str, float]:
     """One client run plus our server's step counters around it and the client's CPU seconds (this process for
     our client, its finished child for guidellm)."""
-    before, cpu_before = server_counters(base_url), _client_cpu_s()
+    before, cpu_before = C.scrape_metrics(base_url), _client_cpu_s()
     result = run()
-    return with_counters(result, counter_delta(before, server_counters(base_url)), _client_cpu_s() - cpu_before)
+    return with_counters(result, counter_delta(before, C.scrape_metrics(base_url)), _client_cpu_s() - cpu_before)
 
 
 def run_harness(base_url: str, requests: list[W.BenchRequest], args: argparse.Namespace) -> dict[str, float]:
@@ -144,17 +140,17 @@ def run_simultaneous(base_url: str, model: str, model_dir: str, requests: list[W
                      args: argparse.Namespace, out_json: Path) -> tuple[dict[str, float], dict[str, float]]:  # fmt: skip
     """Both clients at once, each with the same request list at --concurrency: they measure the very same server
     steps. Ours starts when guidellm's first request is in (its own start-up takes seconds)."""
-    before = server_counters(base_url)
+    before = C.scrape_metrics(base_url)
     proc = start_guidellm(base_url, model, model_dir, data, args, out_json)
     deadline = time.monotonic() + 300
-    while server_counters(base_url).get("vlm_engine:num_requests_inflight", 0) < 1:
+    while C.scrape_metrics(base_url).get("vlm_engine:num_requests_inflight", 0) < 1:
         if proc.poll() is not None or time.monotonic() > deadline:
             finish_guidellm(proc, out_json, 10)  # raises with its log
             raise RuntimeError("guidellm ended before sending a request")
         time.sleep(0.01)
     harness = run_harness(base_url, requests, args)
     reference = finish_guidellm(proc, out_json, MAX_DURATION_S + 600)
-    shared = counter_delta(before, server_counters(base_url))
+    shared = counter_delta(before, C.scrape_metrics(base_url))
     return with_counters(harness, shared, math.nan), with_counters(reference, shared, math.nan)  # CPU: not separable
 
 

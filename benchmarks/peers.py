@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -42,14 +42,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _venv_tool(name: str, venv: Path) -> str | None:
-    """`name` from the given venv, else from this interpreter's venv, else from PATH."""
-    for candidate in (venv / "bin" / name, Path(sys.executable).parent / name):
-        if candidate.exists():
-            return str(candidate)
-    return shutil.which(name)
-
-
 @dataclass(frozen=True)
 class ServerSpec:
     kind: str  # a key of ADAPTERS
@@ -63,7 +55,6 @@ class ServerSpec:
     kv_tokens: int | None = 65_536
     executable: str | None = None  # llamacpp: the llama-server binary
     slots: int = 64  # llamacpp: parallel sequences (-np); its -c context is split between them
-    threads: int | None = None  # llamacpp: -t (default: this machine's cores)
     env: tuple[tuple[str, str], ...] = ()
     cwd: str | None = None  # ours from another worktree (an A/B against a commit)
 
@@ -100,7 +91,9 @@ def _ours(spec: ServerSpec, port: int) -> list[str]:
 
 
 def _transformers(spec: ServerSpec, port: int) -> list[str]:
-    tool = _venv_tool("transformers", PEER_VENV)
+    # The peer venv's CLI, else the one beside this interpreter, else PATH's.
+    venvs = (PEER_VENV / "bin", Path(sys.executable).parent)
+    tool = next((str(d / "transformers") for d in venvs if (d / "transformers").exists()), shutil.which("transformers"))
     if tool is None:
         raise FileNotFoundError('`transformers` CLI not found: pip install "transformers[serving]"')
     blocks = -(-(spec.kv_tokens or 65_536) // TRANSFORMERS_PAGE_TOKENS)
@@ -111,7 +104,7 @@ def _transformers(spec: ServerSpec, port: int) -> list[str]:
 def _llamacpp(spec: ServerSpec, port: int) -> list[str]:
     if not spec.executable:
         raise FileNotFoundError("llama-server not given (peers.find_llama_server finds or builds it)")
-    threads = spec.threads or os.cpu_count() or 1
+    threads = os.cpu_count() or 1
     ctx = ["-np", str(spec.slots), "-c", str(spec.kv_tokens or 65_536), "-t", str(threads), "--cont-batching"]
     # llama-server has no --dtype: the GGUF file's tensor types are the dtype.
     return [spec.executable, "-m", spec.model_dir, "--host", "127.0.0.1", "--port", str(port), *ctx, *spec.extra_args]
@@ -140,7 +133,6 @@ ADAPTERS: dict[str, Adapter] = {
     "transformers": Adapter("transformers", _transformers),
     "vllm": Adapter("vllm", _vllm, _vllm_env),
 }
-KINDS = tuple(ADAPTERS)
 
 
 # ---- a running server -------------------------------------------------------------------------------------
@@ -249,16 +241,29 @@ def install_signal_handlers() -> None:
 # ---- memory and CPU of a server's process tree -----------------------------------------------------------
 
 
+@contextlib.contextmanager
+def every(period_s: float, fn: Callable[[], object]) -> Iterator[None]:
+    """Calls `fn` from a thread every `period_s` seconds while the block runs (never when period_s <= 0)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [fn() for _ in iter(lambda: stop.wait(period_s), True)], daemon=True)
+    if period_s > 0:
+        thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if period_s > 0:
+            thread.join()
+
+
 @dataclass
 class TreeSampler:
-    """Samples a process tree every `period_s` in a thread: the peak of its summed RSS, each process's own
-    high-water mark (VmHWM), and the CPU seconds each process name spent (for CPU per output token)."""
+    """A process tree's memory, sampled by each `sample()` (under `every`): the peak of its summed RSS and each
+    process's own high-water mark (VmHWM)."""
 
     pid: int
-    period_s: float = 0.2
     peak_bytes: int = 0
     hwm_bytes: dict[int, int] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
 
     def sample(self) -> int:
         import psutil
@@ -277,15 +282,6 @@ class TreeSampler:
                 continue
         self.peak_bytes = max(self.peak_bytes, total)
         return total
-
-    def start(self) -> TreeSampler:
-        threading.Thread(target=lambda: [self.sample() for _ in iter(lambda: self._stop.wait(self.period_s), True)],
-                         daemon=True).start()  # fmt: skip
-        return self
-
-    def stop(self) -> None:
-        self.sample()
-        self._stop.set()
 
 
 def _vm_hwm(pid: int) -> int:
@@ -377,24 +373,23 @@ class LlamaCpp:
     def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
         """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
         out = GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            tmp = out.with_suffix(".partial")
-            cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype]
-            subprocess.run([*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])], check=True,
-                           stdout=subprocess.DEVNULL)  # fmt: skip
-            tmp.rename(out)
-        return out
+        cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype]
+        return _made_once(out, lambda tmp: [*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])])
 
     def quantize(self, src: Path, qtype: str) -> Path:
         """`llama-quantize SRC OUT QTYPE` from the same build."""
+        tool = str(self.server.parent / "llama-quantize")
         out = src.with_name(src.name.rsplit("-", 1)[0] + f"-{qtype}.gguf")
-        if not out.exists():
-            tmp = out.with_suffix(".partial")
-            cmd = [str(self.server.parent / "llama-quantize"), str(src), str(tmp), qtype, str(os.cpu_count() or 2)]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            tmp.rename(out)
-        return out
+        return _made_once(out, lambda tmp: [tool, str(src), str(tmp), qtype, str(os.cpu_count() or 2)])
+
+
+def _made_once(out: Path, command: Callable[[Path], list[str]]) -> Path:
+    """`out` unless it exists, else made by `command` (told where to write): renamed into place only once whole."""
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(command(tmp := out.with_suffix(".partial")), check=True, stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return out
 
 
 QWEN2_SPLIT_REGEX = (
@@ -461,15 +456,10 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
     peer, _, variant = base.partition(" ")
     dtypes = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
     if peer == "ours":
-        args: tuple[str, ...] = ()
-        src = str(hf_dir)
-        if variant in ("int4", "int8"):
-            args = ("--quantization", variant, *args)
-            src = str(shipped_q4_1()) if variant == "int4" and model.shipped_q4_1 else src
-        elif variant == "no-prepack":
-            args = ("--no-prepack-weights", *args)
-        dtype = dtypes.get(variant, "auto") if variant not in ("int4", "int8", "no-prepack") else "auto"
-        return ServerSpec("ours", src, dtype, args, label=name, kv_tokens=kv_tokens)
+        quantized = ("--quantization", variant) if variant in ("int4", "int8") else ()
+        flags = ("--no-prepack-weights",) if variant == "no-prepack" else quantized
+        src = shipped_q4_1() if variant == "int4" and model.shipped_q4_1 else hf_dir
+        return ServerSpec("ours", str(src), dtypes.get(variant, "auto"), flags, label=name, kv_tokens=kv_tokens)
     if peer == "llama.cpp":
         if llama is None:
             raise FileNotFoundError("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or --build")
@@ -480,16 +470,14 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             gguf = llama.convert(hf_dir, LLAMA_TYPES[kind])
         else:  # a llama-quantize type, from the model's lossless conversion
             gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from), kind)
-        args = ()
-        if model.vision:
-            mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
-            args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True)), *args)
+        mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
+        args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True))) if model.vision else ()
         ctx = model.llama_ctx(hf_dir, slots) if model.llama_ctx else (kv_tokens or 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
     if peer in ("transformers", "vllm"):
         return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), label=name, kv_tokens=kv_tokens)
-    raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(KINDS[2:])}")
+    raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(list(ADAPTERS)[2:])}")
 
 
 def main(argv: list[str]) -> None:

@@ -25,7 +25,6 @@ import stats as S
 import workloads as W
 
 RESULTS = Path(__file__).resolve().parent / "results"
-WARMUP_INDEX = 900_000  # warm-up requests use their own indices: no image repeats a measured one
 
 
 @dataclass
@@ -94,11 +93,11 @@ def detect_flavor(cfg: BenchConfig, model: str | None) -> str:
     raise RuntimeError("the server rejected even a plain chat request")
 
 
-def point_roofline(cfg: BenchConfig, point: C.LoadPoint, summary: S.Summary, before: dict[str, float] | None,
-                   after: dict[str, float] | None) -> dict[str, str]:  # fmt: skip
+def point_roofline(cfg: BenchConfig, point: C.LoadPoint, summary: S.Summary, before: dict[str, float],
+                   after: dict[str, float]) -> dict[str, str]:  # fmt: skip
     """Roofline lines: from the server's step counters when it publishes them (ours), and from the client's view
     (TPOT p50 as the decode step at batch ~= concurrency) for any server."""
-    dtype = cfg.dtype or served_dtype(cfg.model_dir, ours="vlm_engine:engine_steps_total" in (after or {}))
+    dtype = cfg.dtype or served_dtype(cfg.model_dir, ours="vlm_engine:engine_steps_total" in after)
     finite = [x for x in (summary.mean_prompt_tokens, summary.mean_output_tokens / 2) if math.isfinite(x)]
     context, lines = sum(finite), {}
     batch = point.value if point.mode == "closed" else summary.request_throughput * summary.e2e.mean
@@ -119,14 +118,14 @@ def point_roofline(cfg: BenchConfig, point: C.LoadPoint, summary: S.Summary, bef
 
 
 def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, tokenizer: Any,
-                 log: Any = print) -> tuple[list[dict[str, Any]], str | None]:  # fmt: skip
-    """All load points of one workload; returns (points, skip reason)."""
+                 log: Any = print) -> list[dict[str, Any]]:  # fmt: skip
+    """All load points of one workload."""
     spec = W.workload_spec(name, **cfg.overrides)
     text_only = cfg.text_only if cfg.text_only is not None else bool(cfg.model_dir) and not models.model_of(cfg.model_dir).vision
     factory = W.RequestFactory(W.text_only(spec) if text_only else spec, model, flavor, cfg.seed, tokenizer)
     probe = lambda i: asyncio.run(C.probe(cfg.chat_url, factory.build(i), cfg.request_timeout_s))  # noqa: E731
     for k in range(cfg.warmup):
-        if not (record := probe(WARMUP_INDEX + k)).ok:
+        if not (record := probe(W.WARMUP_INDEX + k)).ok:
             log(f"  warm-up request failed: {record.error}")
     points, first_index = [], cfg.first_index
     loads = [("closed", c) for c in cfg.concurrency] + [("open", r) for r in cfg.rates]
@@ -144,7 +143,7 @@ def run_workload(cfg: BenchConfig, name: str, model: str | None, flavor: str, to
                        "first_index": first_index, "summary": summary.to_json(), "roofline": roof,
                        "spec": asdict(factory.spec), "records": [r.to_json() for r in records]})  # fmt: skip
         first_index += point.num_requests  # fresh requests (fresh images) for every point
-    return points, None
+    return points
 
 
 def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
@@ -153,17 +152,10 @@ def run_bench(cfg: BenchConfig, log: Any = print) -> dict[str, Any]:
     flavor = detect_flavor(cfg, model) if cfg.flavor == "auto" else cfg.flavor
     log(f"{cfg.server_label}: {cfg.base_url} model={model!r} flavor={flavor} fields={W.sent_fields(flavor)}")
     tokenizer, machine = load_tokenizer(cfg.model_dir), R.machine_ceilings()
-    points: list[dict[str, Any]] = []
-    skipped = []
-    for name in cfg.workloads:
-        pts, reason = run_workload(cfg, name, model, flavor, tokenizer, log)
-        points += pts
-        if reason:
-            log(f"{name}: skipped ({reason})")
-            skipped.append({"workload": name, "reason": reason})
+    points = [p for name in cfg.workloads for p in run_workload(cfg, name, model, flavor, tokenizer, log)]
     return {"config": asdict(cfg), "server": cfg.server_label, "model": model,
             "flavor": flavor, "fields_sent": W.sent_fields(flavor), "machine": asdict(machine), "started": started,
-            "finished": time.time(), "points": points, "skipped": skipped}  # fmt: skip
+            "finished": time.time(), "points": points}  # fmt: skip
 
 
 def write_results(result: dict[str, Any], out_dir: Path) -> list[Path]:

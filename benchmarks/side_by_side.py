@@ -148,11 +148,11 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
     try:
         with peers.ManagedServer(spec, out / "logs", startup_timeout_s=STARTUP_TIMEOUT_S) as server:
             assert server.proc is not None
-            sampler = peers.TreeSampler(server.proc.pid).start()
+            sampler = peers.TreeSampler(server.proc.pid)
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
                         command=" ".join(spec.command(server.port)))  # fmt: skip
             print(f"[rep {rep}] {spec.name} on {hf_dir.name}: up in {server.startup_s:.0f} s", flush=True)
-            try:
+            with peers.every(0.2, sampler.sample):
                 for plan in plans:
                     loads = [("closed", float(c)) for c in plan.concurrency] + [("open", r) for r in plan.rates]
                     for k, (mode, value) in enumerate(loads):
@@ -170,10 +170,9 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
                             points.append({"server": spec.name, "plan": plan.label, "label": p["label"], "rep": rep,
                                            "value": value, "summary": p["summary"], "roofline": p["roofline"]})  # fmt: skip
                         sent += n
-            finally:
-                sampler.stop()
-                info.update(peak_rss_bytes=sampler.peak_bytes, hwm_sum_bytes=sum(sampler.hwm_bytes.values()),
-                            kv_log=kv_log_line(server.log_tail(200_000)))  # fmt: skip
+            sampler.sample()
+            info.update(peak_rss_bytes=sampler.peak_bytes, hwm_sum_bytes=sum(sampler.hwm_bytes.values()),
+                        kv_log=kv_log_line(server.log_tail(200_000)))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' rows
         print(f"{spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
         info["error"] = f"{type(exc).__name__}: {exc}"[:1000]

@@ -312,6 +312,7 @@ def chat_prompt(index: int, seed: int = 0) -> str:
 # Per-workload image seed ranges: a "unique" image never repeats one another workload sent to the same
 # server (a spurious prefix/encoder-cache hit). placard / imagechat keep the seeds their tables were made with.
 _MEDIA_SEED_BASE = {"chatbot": 100_000, "agent": 200_000, "data": 300_000, "placard": 0, "imagechat": 500_000}
+WARMUP_INDEX = 900_000  # warm-up requests use their own indices: no image repeats a measured one
 
 
 @dataclass(frozen=True)
