@@ -21,8 +21,8 @@ from pydantic import BaseModel
 
 from tests.conftest import make_image
 from tests.server_helpers import ServerProcess, assert_exact_schema, running
-from vlm_engine.server import protocol as P
 from vlm_engine.server import responses_protocol as R
+from vlm_engine.server.errors import ApiError
 from vlm_engine.server.responses import OutputItems
 from vlm_engine.server.responses_store import ResponseStore
 
@@ -152,7 +152,7 @@ def test_tools_tool_choice_and_text_format_become_chat_fields() -> None:
     ],
 )  # fmt: skip
 def test_bad_requests_name_the_responses_field(body: dict[str, Any], param: str, words: str) -> None:
-    with pytest.raises(P.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         parse(body)
     assert info.value.param == param and words in info.value.message, info.value.message
     assert info.value.status == (404 if param == "model" else 400)

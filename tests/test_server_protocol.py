@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from vlm_engine.server import protocol as P
+from vlm_engine.server.errors import ApiError
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -47,7 +48,7 @@ def test_chat_defaults_and_aliases() -> None:
     ],
 )
 def test_chat_rejections(body: dict[str, Any], status: int, param: str) -> None:
-    with pytest.raises(P.ApiError) as info:
+    with pytest.raises(ApiError) as info:
         chat(**body)
     assert info.value.status == status and info.value.param == param
     assert set(info.value.body()["error"]) == {"message", "type", "param", "code"}
@@ -78,7 +79,7 @@ def test_completion_prompts() -> None:
     ],
 )
 def test_completion_rejections(body: dict[str, Any]) -> None:
-    with pytest.raises(P.ApiError):
+    with pytest.raises(ApiError):
         P.parse_completion(body, "m", max_n=4)
 
 

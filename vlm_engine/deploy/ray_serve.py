@@ -54,7 +54,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from vlm_engine.deploy.metrics_merge import merge_expositions
 from vlm_engine.deploy.routing import RoutedRequest, routing_key
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.protocol import error_body
+from vlm_engine.server.errors import error_body
 
 logger = logging.getLogger(__name__)
 

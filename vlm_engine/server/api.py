@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.apps import mount_app
+from vlm_engine.server.errors import ApiError
 from vlm_engine.server.generation import Generation
 from vlm_engine.server.http_common import (
     RouteGuards,
@@ -50,8 +51,8 @@ def build_app(state: ServerState) -> FastAPI:
     if web.app is not None:
         mount_app(app, web.app)
 
-    @app.exception_handler(P.ApiError)
-    async def _api_error(request: Request, exc: P.ApiError) -> JSONResponse:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
@@ -125,12 +126,12 @@ def build_app(state: ServerState) -> FastAPI:
         try:
             answers = await client.profile(start, profile_dir)
         except RuntimeError as exc:
-            raise P.ApiError(409, str(exc)) from None
+            raise ApiError(409, str(exc)) from None
         except TimeoutError:
-            raise P.ApiError(504, "the engine processes did not answer the profiler request", type="server_error") from None
+            raise ApiError(504, "the engine processes did not answer the profiler request", type="server_error") from None
         errors = [f"{a.process}: {a.error}" for a in answers if a.error is not None]
         if errors:
-            raise P.ApiError(409, "; ".join(errors))
+            raise ApiError(409, "; ".join(errors))
         if start:
             return JSONResponse({"status": "started"})
         # `trace`: the engine core's; `traces`: every process's (core first, then the workers).

@@ -18,6 +18,7 @@ from vlm_engine import ipc
 from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.engine_client import RequestHandle
+from vlm_engine.server.errors import error_body
 from vlm_engine.server.http_common import SSE_HEADERS, ServerState, from_engine_error, json_encoder, sse
 from vlm_engine.server.tool_parsers import ToolOutput
 
@@ -261,7 +262,7 @@ class Generation:
                 ]
                 if error is not None:
                     self.abort()
-                    out.append(sse(P.error_body(error.message, error.type, error.param, error.code)))
+                    out.append(sse(error_body(error.message, error.type, error.param, error.code)))
                     out.append(_DONE)
                     yield b"".join(out)
                     return

@@ -16,6 +16,7 @@ from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.engine_client import EngineClient
+from vlm_engine.server.errors import ApiError, error_body
 from vlm_engine.server.metrics import ServerMetrics
 
 json_encoder = msgspec.json.Encoder()
@@ -55,7 +56,7 @@ def sse(obj: Any, event: str | None = None) -> bytes:
 def error_response(
     status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
 ) -> JSONResponse:
-    return JSONResponse(P.error_body(message, type, param, code), status_code=status)
+    return JSONResponse(error_body(message, type, param, code), status_code=status)
 
 
 def from_engine_error(err: ipc.RequestError) -> JSONResponse:
@@ -76,21 +77,21 @@ class RouteGuards:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-            raise P.ApiError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
+            raise ApiError(401, "Incorrect API key provided.", param=None, code="invalid_api_key")
 
     def serving(self) -> None:
         state = self.state
         if state.failure is not None:
-            raise P.ApiError(503, f"the server is failing: {state.failure}", type="server_error")
+            raise ApiError(503, f"the server is failing: {state.failure}", type="server_error")
         if state.draining:
-            raise P.ApiError(503, "the server is shutting down", type="server_error")
+            raise ApiError(503, "the server is shutting down", type="server_error")
         if not state.client.ready:
-            raise P.ApiError(503, "the model is still loading", type="server_error", headers=self.retry_later)
+            raise ApiError(503, "the model is still loading", type="server_error", headers=self.retry_later)
 
     def room_for(self, num_choices: int) -> None:
         """503 when accepting `num_choices` more engine requests would overfill the waiting queue."""
         if self.state.client.num_waiting + num_choices > self.state.config.api.max_waiting_requests:
-            raise P.ApiError(
+            raise ApiError(
                 503,
                 "too many requests are waiting; try again later",
                 type="server_error",
@@ -102,13 +103,13 @@ class RouteGuards:
         limit = self.state.config.api.max_request_bytes
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            raise P.ApiError(413, f"the request body is larger than {limit} bytes")
+            raise ApiError(413, f"the request body is larger than {limit} bytes")
         body = await request.body()
         try:
             return msgspec.json.decode(body)
         except msgspec.DecodeError:
-            raise P.ApiError(400, "the request body is not valid JSON") from None
+            raise ApiError(400, "the request body is not valid JSON") from None
         except RecursionError:  # the decoder recurses per nesting level; ~1,000 levels exhaust it
-            raise P.ApiError(
+            raise ApiError(
                 400, f"the request body is nested too deeply (at most {P.MAX_JSON_DEPTH} levels)"
             ) from None

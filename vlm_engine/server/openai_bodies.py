@@ -2,7 +2,7 @@
 
 Responses carry every field the official API returns, nulls included, so clients that read them
 through the official SDK's models (strictly or not) see what they expect. Requests are checked in
-`protocol` and `responses_protocol`; errors are `protocol.error_body`.
+`protocol` and `responses_protocol`; errors are `errors.error_body`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,19 @@
-"""OpenAI requests checked into engine requests, and the error bodies (the answers: `openai_bodies`).
+"""OpenAI requests checked into engine requests (the answers: `openai_bodies`; errors: `errors`).
 
-Requests are typed (`request_models`): `typed` converts a decoded body and words msgspec's errors
-as this server always has; what types cannot say (ranges that depend on the server, fields that
+Requests are typed (`request_models`, whose `typed` converts a decoded body and words msgspec's
+errors as this server always has); what types cannot say (ranges that depend on the server, fields that
 exclude each other) is checked here. Messages and media are checked by the preprocess workers.
 Every field, unknown ones too, must keep within MAX_JSON_DEPTH and 64-bit integers.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import msgspec
-
 from vlm_engine.sampling_params import SamplingParams
-from vlm_engine.server.request_models import ERRORS, ChatBody, CompletionBody, StreamOptions
+from vlm_engine.server.errors import ApiError
+from vlm_engine.server.request_models import ChatBody, CompletionBody, StreamOptions, given, typed
 from vlm_engine.structured.spec import (
     StructuredOutput,
     StructuredOutputError,
@@ -32,34 +30,6 @@ NO_TOOLS = ToolChoice("none")
 MAX_JSON_DEPTH = 128  # generous: OpenAI allows JSON schemas 10 objects deep
 _WIRE_INT_RANGE = (-(2**63), 2**64 - 1)  # what msgpack carries
 T = TypeVar("T")
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers  # e.g. Retry-After on a 503
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 # ---- requests ----------------------------------------------------------------------------------
@@ -116,63 +86,6 @@ def parse_body(body: Any, served_model: str, model: type[T]) -> T:
     return typed(given(check_body(body, served_model)), model)
 
 
-def given(body: dict[str, Any]) -> dict[str, Any]:
-    """The fields given: a top-level null means "not given" (the default), as it always has."""
-    return {k: v for k, v in body.items() if v is not None}
-
-
-def typed(value: Any, model: Any, at: str = "") -> Any:
-    """`value` converted to `model` (a Struct or a type like list[Struct]); a msgspec error becomes
-    the 400 `request_models.ERRORS` words for its path, or the generic one. `at`: where `value` sits."""
-    try:
-        return msgspec.convert(value, model)
-    except msgspec.ValidationError as exc:
-        raise _api_error(str(exc), value, at) from None
-
-
-_KIND_NAMES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
-_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
-
-
-def _api_error(error: str, root: Any, at: str) -> ApiError:
-    what, _, where = error.partition(" - at ")  # "Expected `int`, got `str`", "`$.n`" or "`key` in `$.metadata`"
-    path = where.strip("`").removeprefix("key` in `").removeprefix("$") + ("[...]" if where.startswith("`key`") else "")
-    missing = re.match(r"Object missing required field `(\w+)`", what)
-    path += f".{missing[1]}" if missing else ""  # told at the field, which is absent (None)
-    value, path = _value_at(root, path), (at + path).lstrip(".")
-    key = re.sub(r"\[\d+\]", "[]", path)
-    rule = ERRORS.get(key) or ERRORS.get(key.removesuffix("[]"))
-    if rule is not None:
-        message, param = rule if isinstance(rule, tuple) else (rule, "{path}")
-        fields = {"path": path, "parent": re.sub(r"(\.\w+|\[\d+\])$", "", path), "value": value}
-        return ApiError(400, message.format(**fields), param=param.format(**fields))
-    bound = re.match(r"Expected `int` [<>]= (-?\d+)", what)
-    kinds = re.match(r"Expected `([^`]+)`, got", what)
-    if bound and abs(int(bound[1])) >= 2**63 - 1:
-        message = f"'{path}' must be a 64-bit integer, got {value}"  # check_body let at most 20 digits through
-    elif bound:
-        message = f"'{path}' must be at least {bound[1]}, got {value}"
-    elif kinds:
-        names = dict.fromkeys(_KIND_NAMES.get(k, k) for k in kinds[1].split(" | ") if k != "null")
-        message = f"'{path}' must be of type {' or '.join(names)}"
-    else:
-        message = f"'{path}': {what}"  # msgspec's own words
-    return ApiError(400, message, param=path or None)
-
-
-def _value_at(root: Any, path: str) -> Any:
-    """What the client sent at `path` (".input[0].type"); None where nothing is."""
-    node = root
-    for name, index in _STEP.findall(path):
-        if name and isinstance(node, dict):
-            node = node.get(name)
-        elif index and isinstance(node, list) and int(index) < len(node):
-            node = node[int(index)]
-        else:
-            return None
-    return node
-
-
 def _between(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise ApiError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name)
@@ -209,7 +122,7 @@ def _constraint(
 ) -> StructuredOutput | None:
     """The one output constraint of a request: response_format, structured_outputs or a forced tool call."""
     try:
-        given = [
+        constraints = [
             (name, spec)
             for name, spec in (
                 ("response_format", from_response_format(req.response_format)),
@@ -220,10 +133,10 @@ def _constraint(
         ]
     except StructuredOutputError as exc:
         raise ApiError(400, exc.message, param=exc.param) from None
-    if len(given) > 1:
-        names = " and ".join(n for n, _ in given)
-        raise ApiError(400, f"{names} each constrain the output; give only one", param=given[1][0])
-    return given[0][1] if given else None
+    if len(constraints) > 1:
+        names = " and ".join(n for n, _ in constraints)
+        raise ApiError(400, f"{names} each constrain the output; give only one", param=constraints[1][0])
+    return constraints[0][1] if constraints else None
 
 
 def _generate(

@@ -1,4 +1,4 @@
-"""Request bodies as types: what each endpoint accepts, declared once; `protocol.typed` converts.
+"""Request bodies as types: what each endpoint accepts, declared once; `typed` converts.
 
 msgspec, not pydantic: the API process already decodes every body (and the IPC) with msgspec;
 converting a typical decoded chat body into ChatBody takes ~0.35 us, pydantic 2's strict
@@ -6,7 +6,7 @@ validation of the same model ~2.5 us (side by side, issue 48), on the hot path o
 msgspec is as strict as the hand checks it replaces (no "5" -> 5, no true -> 1; an integer is a
 number), stops at the first error, and names it by a JSON path (`$.input[0].role`) that is
 already the `param` clients are told. What its words do not say as this server always has,
-`ERRORS` does, through the one mapper (`protocol.typed`).
+`ERRORS` does, through the one mapper (`typed`).
 
 Unknown fields are ignored; a top-level `null` means "not given" (protocol drops those first).
 What other modules check (`messages`, `tools`, `response_format`, `tool_choice`: the workers and
@@ -15,9 +15,13 @@ What other modules check (`messages`, `tools`, `response_format`, `tool_choice`:
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta, Struct
+
+from vlm_engine.server.errors import ApiError
 
 Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # seed + choice index must still fit the wire
 Positive = Annotated[int, Meta(ge=1, le=2**63 - 1)]
@@ -212,7 +216,7 @@ class InputItems(Struct):
 # Path (indices as [], dict keys as [...]) -> message, or (message, param). Templates see `path`,
 # `parent` (the path less its last step) and `value` (what the client sent there; None if absent).
 # An element's path not here ("stop[]") gets its array's entry; paths in neither get the generic
-# messages of `protocol.typed`.
+# messages of `typed`.
 _PART = "{parent}: content part type {value!r} is not supported"
 _PARTS = "{path} must be a string or an array of parts"
 _STRING = "{path} must be a string"
@@ -252,3 +256,63 @@ ERRORS: dict[str, str | tuple[str, str]] = {
         _STRING,
     ),
 }
+
+
+# ---- the one mapper -----------------------------------------------------------------------------
+
+
+def given(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields given: a top-level null means "not given" (the default), as it always has."""
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def typed(value: Any, model: Any, at: str = "") -> Any:
+    """`value` converted to `model` (a Struct or a type like list[Struct]); a msgspec error becomes
+    the 400 `request_models.ERRORS` words for its path, or the generic one. `at`: where `value` sits."""
+    try:
+        return msgspec.convert(value, model)
+    except msgspec.ValidationError as exc:
+        raise _api_error(str(exc), value, at) from None
+
+
+_KIND_NAMES = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}
+_STEP = re.compile(r"\.(\w+)|\[(\d+)\]")
+
+
+def _api_error(error: str, root: Any, at: str) -> ApiError:
+    what, _, where = error.partition(" - at ")  # "Expected `int`, got `str`", "`$.n`" or "`key` in `$.metadata`"
+    path = where.strip("`").removeprefix("key` in `").removeprefix("$") + ("[...]" if where.startswith("`key`") else "")
+    missing = re.match(r"Object missing required field `(\w+)`", what)
+    path += f".{missing[1]}" if missing else ""  # told at the field, which is absent (None)
+    value, path = _value_at(root, path), (at + path).lstrip(".")
+    key = re.sub(r"\[\d+\]", "[]", path)
+    rule = ERRORS.get(key) or ERRORS.get(key.removesuffix("[]"))
+    if rule is not None:
+        message, param = rule if isinstance(rule, tuple) else (rule, "{path}")
+        fields = {"path": path, "parent": re.sub(r"(\.\w+|\[\d+\])$", "", path), "value": value}
+        return ApiError(400, message.format(**fields), param=param.format(**fields))
+    bound = re.match(r"Expected `int` [<>]= (-?\d+)", what)
+    kinds = re.match(r"Expected `([^`]+)`, got", what)
+    if bound and abs(int(bound[1])) >= 2**63 - 1:
+        message = f"'{path}' must be a 64-bit integer, got {value}"  # check_body let at most 20 digits through
+    elif bound:
+        message = f"'{path}' must be at least {bound[1]}, got {value}"
+    elif kinds:
+        names = dict.fromkeys(_KIND_NAMES.get(k, k) for k in kinds[1].split(" | ") if k != "null")
+        message = f"'{path}' must be of type {' or '.join(names)}"
+    else:
+        message = f"'{path}': {what}"  # msgspec's own words
+    return ApiError(400, message, param=path or None)
+
+
+def _value_at(root: Any, path: str) -> Any:
+    """What the client sent at `path` (".input[0].type"); None where nothing is."""
+    node = root
+    for name, index in _STEP.findall(path):
+        if name and isinstance(node, dict):
+            node = node.get(name)
+        elif index and isinstance(node, list) and int(index) < len(node):
+            node = node[int(index)]
+        else:
+            return None
+    return node

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from vlm_engine import ipc
 from vlm_engine.server import openai_bodies as B
-from vlm_engine.server import protocol as P
 from vlm_engine.server import responses_protocol as R
+from vlm_engine.server.errors import ApiError
 from vlm_engine.server.generation import Generation
 from vlm_engine.server.http_common import RouteGuards, ServerState, error_response, sse
 from vlm_engine.server.responses_store import ResponseStore
@@ -237,8 +237,8 @@ def add_responses_routes(app: FastAPI, state: ServerState, guards: RouteGuards) 
     store = ResponseStore(api.responses_store_entries, api.responses_store_bytes, api.responses_store_ttl_s)
     per_prompt = state.config.engine.media.limit_mm_per_prompt
 
-    def not_found(response_id: str, param: str | None = None) -> P.ApiError:
-        return P.ApiError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+    def not_found(response_id: str, param: str | None = None) -> ApiError:
+        return ApiError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
@@ -249,7 +249,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, guards: RouteGuards) 
         previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
         if previous_id is not None:
             if not isinstance(previous_id, str):
-                raise P.ApiError(400, "'previous_response_id' must be a string", param="previous_response_id")
+                raise ApiError(400, "'previous_response_id' must be a string", param="previous_response_id")
             entry = store.get(previous_id)
             if entry is None:
                 raise not_found(previous_id, "previous_response_id")
@@ -270,7 +270,7 @@ def add_responses_routes(app: FastAPI, state: ServerState, guards: RouteGuards) 
     async def get_response(request: Request, response_id: str) -> Response:
         guards.auth(request)
         if request.query_params.get("stream") in ("true", "1"):
-            raise P.ApiError(400, "streaming a stored response again is not supported", param="stream")
+            raise ApiError(400, "streaming a stored response again is not supported", param="stream")
         entry = store.get(response_id)
         if entry is None:
             raise not_found(response_id)

@@ -27,6 +27,7 @@ from typing import Any
 
 from vlm_engine.server import protocol as P
 from vlm_engine.server import request_models as M
+from vlm_engine.server.errors import ApiError
 
 # Request fields passed to the chat body unchanged (vLLM's sampling extensions; the Responses API
 # has no names of its own for them).
@@ -66,8 +67,8 @@ class Origins:
     def message(self, message: str) -> str:
         return re.sub(r"messages\[\d+\][\w.\[\]]*", lambda m: self.param(m.group(0)) or m.group(0), message)
 
-    def error(self, exc: P.ApiError) -> P.ApiError:
-        return P.ApiError(exc.status, self.message(exc.message), exc.type, self.param(exc.param), exc.code)
+    def error(self, exc: ApiError) -> ApiError:
+        return ApiError(exc.status, self.message(exc.message), exc.type, self.param(exc.param), exc.code)
 
 
 @dataclass(frozen=True)
@@ -99,9 +100,9 @@ def parse_responses(
     req = P.parse_body(body, served_model, M.ResponsesBody)
     for name, why in _UNSUPPORTED.items():
         if body.get(name) not in (None, False):
-            raise P.ApiError(400, why, param=name)
+            raise ApiError(400, why, param=name)
     if req.truncation != "disabled":
-        raise P.ApiError(400, "only 'truncation': 'disabled' is supported", param="truncation")
+        raise ApiError(400, "only 'truncation': 'disabled' is supported", param="truncation")
     instructions = [({"role": "system", "content": req.instructions}, "instructions")] if req.instructions else []
     sent = [*instructions, *((m, "previous_response") for m in previous or []), *input_messages(req.input)]
     messages = [message for message, _ in sent]
@@ -111,7 +112,7 @@ def parse_responses(
         parsed = P.parse_chat(
             chat_body(body, messages, tools, req), served_model, 1, max_model_len, max_images, max_videos
         )
-    except P.ApiError as exc:
+    except ApiError as exc:
         raise origins.error(exc) from None
     return ResponsesRequest(
         generate=dataclasses.replace(parsed, api="responses"),
@@ -128,7 +129,7 @@ def chat_body(
     req: M.ResponsesBody | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The chat-completions body that asks for what `body` (typed: `req`) asks for."""
-    req = req or P.typed(P.given(body), M.ResponsesBody)
+    req = req or M.typed(M.given(body), M.ResponsesBody)
     chat: dict[str, Any] = {"messages": messages, "stream": req.stream}
     for name in ("model", "temperature", "top_p", "parallel_tool_calls", *_PASSED_THROUGH):
         if body.get(name) is not None:
@@ -162,7 +163,7 @@ def _response_format(text: M.TextConfig | None) -> dict[str, Any] | None:
 
 def function_tools(tools: Any) -> list[dict[str, Any]] | None:
     """Responses' flat function tools -> chat's `{"type": "function", "function": {...}}`."""
-    return _chat_tools(P.typed(tools, list[M.FunctionTool] | None, "tools"))
+    return _chat_tools(M.typed(tools, list[M.FunctionTool] | None, "tools"))
 
 
 def _chat_tools(tools: list[M.FunctionTool] | None) -> list[dict[str, Any]] | None:
@@ -181,7 +182,7 @@ def input_messages(value: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
     # A message item may leave its type out (the SDK's EasyInputMessage); a tagged union may not.
     value = [{"type": "message", **i} if isinstance(i, dict) and "type" not in i and "role" in i else i for i in value]
     out: list[tuple[dict[str, Any], str]] = []
-    for i, item in enumerate(P.typed({"input": value}, M.InputItems).input):
+    for i, item in enumerate(M.typed({"input": value}, M.InputItems).input):
         where = f"input[{i}]"
         if isinstance(item, M.MessageItem):
             out.append((_message(item, where), where))
@@ -197,7 +198,7 @@ def input_messages(value: str | list[Any]) -> list[tuple[dict[str, Any], str]]:
             output = item.output if isinstance(item.output, str) else _parts(item.output, f"{where}.output")
             out.append(({"role": "tool", "tool_call_id": item.call_id, "content": output}, where))
     if not out:
-        raise P.ApiError(400, "'input' holds no message", param="input")
+        raise ApiError(400, "'input' holds no message", param="input")
     return out
 
 
@@ -221,10 +222,10 @@ def _parts(parts: list[M.Part], where: str) -> list[dict[str, Any]]:
         elif part.file_id is not None:
             send = "image_url" if isinstance(part, M.InputImage) else "file_data"
             at = f"{where}[{j}]"
-            raise P.ApiError(400, f"{at}: file_id is not supported (no Files API); send {send}", param=at)
+            raise ApiError(400, f"{at}: file_id is not supported (no Files API); send {send}", param=at)
         elif isinstance(part, M.InputImage):
             if part.image_url is None:
-                raise P.ApiError(400, f"{where}[{j}].image_url must be a string", param=f"{where}[{j}].image_url")
+                raise ApiError(400, f"{where}[{j}].image_url must be a string", param=f"{where}[{j}].image_url")
             out.append({"type": "image_url", "image_url": {"url": part.image_url}})
         else:
             file = {k: getattr(part, k) for k in ("file_data", "file_url", "filename") if getattr(part, k) is not None}

@@ -23,6 +23,8 @@ from vlm_engine import ipc
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.server import openai_bodies as B
 from vlm_engine.server import protocol as P
+from vlm_engine.server import request_models as M
+from vlm_engine.server.errors import ApiError
 from vlm_engine.server.http_common import RouteGuards, ServerState, from_engine_error, json_encoder
 from vlm_engine.server.request_models import DetokenizeBody, TokenizeChat, TokenizePrompt
 
@@ -42,7 +44,7 @@ def add_tokenize_routes(app: FastAPI, state: ServerState, guards: RouteGuards) -
         # Jobs are not generation requests (max_waiting_requests does not count them) but they
         # hold workers all the same: the same bound keeps a flood of them from starving chat.
         if client.num_jobs >= config.api.max_waiting_requests:
-            raise P.ApiError(
+            raise ApiError(
                 503,
                 "too many tokenize requests are waiting; try again later",
                 type="server_error",
@@ -87,12 +89,12 @@ def parse_tokenize(body: Any, served_model: str, max_images: int, max_videos: in
     body = P.check_body(body, served_model)
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
-        raise P.ApiError(400, "give either 'prompt' or 'messages'", param="prompt" if has_prompt else "messages")
+        raise ApiError(400, "give either 'prompt' or 'messages'", param="prompt" if has_prompt else "messages")
     if has_prompt:
-        req = P.typed(P.given(body), TokenizePrompt)
+        req = M.typed(M.given(body), TokenizePrompt)
         return _job("tokenize", prompt=req.prompt, add_special_tokens=req.add_special_tokens,
                     return_token_strs=req.return_token_strs)  # fmt: skip
-    return _job("tokenize", **_chat_fields(P.typed(P.given(body), TokenizeChat), max_images, max_videos))
+    return _job("tokenize", **_chat_fields(M.typed(M.given(body), TokenizeChat), max_images, max_videos))
 
 
 def _chat_fields(req: TokenizeChat, max_images: int, max_videos: int) -> dict[str, Any]:
@@ -102,7 +104,7 @@ def _chat_fields(req: TokenizeChat, max_images: int, max_videos: int) -> dict[st
     if req.continue_final_message:
         # The chat prompt a generation runs is never left open; counting one would budget a prompt
         # no request here can send.
-        raise P.ApiError(400, "'continue_final_message' is not supported", param="continue_final_message")
+        raise ApiError(400, "'continue_final_message' is not supported", param="continue_final_message")
     tools, tool_choice = P.resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)  # as chat
     return {
         "messages": req.messages,
@@ -118,5 +120,5 @@ def parse_detokenize(body: Any, served_model: str) -> ipc.PreprocessRequest:
     tokens = P.parse_body(body, served_model, DetokenizeBody).tokens
     negative = next((t for t in tokens if t < 0), None)
     if negative is not None:
-        raise P.ApiError(400, f"token id {negative} is outside the vocabulary", param="tokens")
+        raise ApiError(400, f"token id {negative} is outside the vocabulary", param="tokens")
     return _job("detokenize", prompt=tokens)
