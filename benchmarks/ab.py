@@ -11,7 +11,7 @@ import json
 import shlex
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def one_run(server: peers.ManagedServer, variant: Variant, requests: list[W.Benc
     tokens = summary.output_throughput * duration
     copied = [copied_share(r.text, by_index[r.index].source) for r in records if by_index[r.index].source]
     return {
-        "summary": summary.to_json(),
+        "summary": summary,  # a Summary until results.json is written
         "spec": {k: m1.get(name, 0.0) - m0.get(name, 0.0) for k, name in SPEC_COUNTERS.items()},
         "cpu_s_per_1k_tokens": {n: 1000 * (cpu1[n] - cpu0.get(n, 0.0)) / tokens for n in cpu1} if tokens else {},
         "copied_share": S.median([x for x in copied if x is not None]) if copied else None,
@@ -134,18 +134,13 @@ def run_set(vs: VariantSet, out: Path) -> dict[str, list[dict[str, Any]]]:
                     for v in order:
                         run = one_run(up[v.name], v, requests, c) | {"round": r}
                         runs.setdefault(f"{w}/c={c}/{v.name}", []).append(run)
-                        print(f"round {r + 1}/{vs.rounds} {S.one_line(f'{w} c={c} {v.name}', _summary(run))}", flush=True)
+                        print(f"round {r + 1}/{vs.rounds} {S.one_line(f'{w} c={c} {v.name}', run['summary'])}", flush=True)
     return runs
 
 
 def spec_of(workload: str, vs: VariantSet) -> W.WorkloadSpec:
     spec = W.text_only(W.workload_spec(workload))
     return replace(spec, output_tokens=(vs.max_tokens, vs.max_tokens)) if vs.max_tokens else spec
-
-
-def _summary(run: dict[str, Any]) -> S.Summary:
-    d = run["summary"]
-    return S.Summary(**{k: S.Dist(**v) if isinstance(v, dict) else v for k, v in d.items()})
 
 
 def table(vs: VariantSet, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -156,7 +151,7 @@ def table(vs: VariantSet, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     rows = []
     for key, rs in runs.items():
         w, c, name = key.split("/", 2)
-        sums = [_summary(r) for r in rs]
+        sums = [r["summary"] for r in rs]
         ref = runs.get(f"{w}/{c}/{base}", [])
         spec = {k: sum(r["spec"][k] for r in rs) for k in SPEC_COUNTERS}
         ok = sum(s.num_ok for s in sums)
@@ -164,7 +159,7 @@ def table(vs: VariantSet, runs: dict[str, list[dict[str, Any]]]) -> list[str]:
         rows.append([
             w, c.removeprefix("c="), name, S.fmt(S.median([s.decode_tok_s for s in sums]), 1),
             "—" if name == base else S.fmt_ratio(S.paired_ratio([s.decode_tok_s for s in sums],
-                                                                [_summary(q).decode_tok_s for q in ref])),
+                                                                [q["summary"].decode_tok_s for q in ref])),
             ", ".join(S.fmt(s.output_throughput, 1) for s in sums),
             *(S.fmt(S.median([getattr(s.tpot, q) for s in sums]), 1, 1000) for q in ("mean", "p50", "p99")),
             S.fmt(S.median([s.ttft.p50 for s in sums]), 1, 1000), S.fmt(S.median([s.mean_output_tokens for s in sums]), 1),
@@ -229,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     if shares:
         lines += [f"Extraction answers copied verbatim from their documents (median share): {S.median(shares):.0%}.", ""]
     (out / "table.md").write_text("\n".join(lines))
-    (out / "results.json").write_text(json.dumps({"set": asdict(vs), "runs": runs}, indent=1, default=str))
+    as_json = lambda o: asdict(o) if is_dataclass(o) else str(o)  # noqa: E731 - the runs' Summaries
+    (out / "results.json").write_text(json.dumps({"set": asdict(vs), "runs": runs}, indent=1, default=as_json))
     print("\n".join(lines))
     return 0
 

@@ -115,9 +115,9 @@ class RequestRecord:
     def itls(self) -> list[float]:
         """Per-token gaps. When chunks carry several tokens each, a gap is spread over the tokens
         it delivered (the average tokens per chunk after the first)."""
-        gaps = np.diff(np.asarray(self.chunk_times)) if len(self.chunk_times) > 1 else np.zeros(0)
-        if len(gaps) == 0:
+        if len(self.chunk_times) < 2:
             return []
+        gaps = np.diff(np.asarray(self.chunk_times))
         tokens_after_first = max(self.output_tokens - 1, len(gaps))
         per_chunk = tokens_after_first / len(gaps)
         if per_chunk <= 1.0 + 1e-9:

@@ -146,11 +146,9 @@ def host(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     part of it the step waited for after the forward."""
     doubling = [2**k for k in range(args.max_batch.bit_length()) if 2**k < args.max_batch]
     sizes = ints(args.batches) or [*doubling, args.max_batch]
-    top, schema = max(sizes), None
-    if args.schema:
-        from testkit.json_schemas import SCHEMAS
+    from testkit.json_schemas import SCHEMAS
 
-        schema = SCHEMAS[args.schema]
+    top, schema = max(sizes), SCHEMAS[args.schema] if args.schema else None
     kv_tokens = top * (args.prompt_tokens + args.warmup + args.steps + 64) + 4096
     engine = build_engine(args.model, dtype=args.dtype, max_num_seqs=top, kv_cache_tokens=kv_tokens,
                           max_num_batched_tokens=max(2048, args.prompt_tokens * 16))  # fmt: skip
@@ -365,8 +363,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (h, w, 3), dtype=np.uint8))
         px = Qwen2VLImageProcessor()(images=[image], return_tensors="pt")
         inputs[f"{size} ({px['pixel_values'].shape[0]} patches)"] = (px["pixel_values"], px["image_grid_thw"])
-    dtypes = [torch.bfloat16 if has_native_bf16() else torch.float32]
-    dtypes += [torch.float32] if dtypes[0] != torch.float32 else []
+    dtypes = [torch.bfloat16, torch.float32] if has_native_bf16() else [torch.float32]
     rows = []
     for dt in dtypes:
         towers = {"Transformers": vision_tower(cfg, state, dt, ours=False),

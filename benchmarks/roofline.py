@@ -8,7 +8,6 @@ import json
 import math
 import os
 import platform
-import struct
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -247,14 +246,12 @@ class ModelCost:
 
 
 def safetensors_shapes(model_dir: Path) -> dict[str, list[int]]:
+    from safetensors import safe_open  # reads the headers only
+
     shapes: dict[str, list[int]] = {}
     for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        for name, info in header.items():
-            if name != "__metadata__":
-                shapes[name] = list(info["shape"])
+        with safe_open(str(path), framework="pt") as f:
+            shapes |= {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     if not shapes:
         raise FileNotFoundError(f"no safetensors files in {model_dir}")
     return shapes

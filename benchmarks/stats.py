@@ -49,7 +49,6 @@ class Summary:
     duration_s: float
     request_throughput: float  # completed requests / s
     output_throughput: float  # output tokens / s
-    total_token_throughput: float  # (prompt + output) tokens / s
     mean_prompt_tokens: float
     mean_output_tokens: float
     cached_token_share: float  # cached prompt tokens / prompt tokens (NaN if the server never said)
@@ -85,7 +84,6 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> Summary:
         duration_s=duration_s,
         request_throughput=len(ok) / dur,
         output_throughput=out_tokens / dur,
-        total_token_throughput=(out_tokens + sum(prompt)) / dur,
         mean_prompt_tokens=float(np.mean(prompt)) if prompt else float("nan"),
         mean_output_tokens=out_tokens / len(ok) if ok else float("nan"),
         cached_token_share=share,
