@@ -105,15 +105,15 @@ def test_amx_counts_only_where_onednn_may_use_it(monkeypatch: pytest.MonkeyPatch
 def test_packed_linear_takes_the_dot_kernel_up_to_its_rows_and_onednn_above(
     monkeypatch: pytest.MonkeyPatch, flags: set[str], rows: int
 ) -> None:
-    """The dot kernel's last row count follows the CPU: with AMX tiles oneDNN's bf16 GEMM is the
-    faster one from a few rows on (4x at 64 rows on a Sapphire Rapids), without them from 257."""
+    """Two layouts: the dot kernel's last row count follows the CPU: with AMX tiles oneDNN's bf16 GEMM
+    is the faster one from a few rows on (4x at 64 rows on a Sapphire Rapids), without them from 257."""
     monkeypatch.delenv("VLM_ENGINE_CPU_BF16", raising=False)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
     assert bf16_dot_max_rows() == rows
     gen = torch.Generator().manual_seed(5)
     linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
-    packed = PackedLinear(linear, None, False, dot)
+    packed = PackedLinear(linear, None, False, dot, layouts="two")
     assert packed.dot_max_rows == rows and f"up to {rows} rows" in repr(packed)
     assert packed._pairs is not None and packed._panels is None and "dot pairs" in repr(packed)
     small, large = bf16_randn(rows, 96, gen=gen), bf16_randn(rows + 1, 96, gen=gen)
@@ -172,7 +172,7 @@ def test_gated_mlp_takes_the_gate_up_kernel_and_stays_the_mlp() -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / 96**0.5)
     reference = GatedMLP(96, 48).to(BF16)
     reference.load_state_dict(mlp.state_dict())
-    prepack_linears(mlp, None, False, dot)
+    prepack_linears(mlp, None, False, dot, layouts="two")
     gate_up = mlp.gate_up_proj
     assert gate_up._gate_up_pairs is not None and gate_up._pairs is None and "silu(gate) * up" in repr(gate_up)
     for rows in (1, 9, gate_up.dot_max_rows + 1):
@@ -283,7 +283,7 @@ def test_packed_linear_takes_amx_tiles_between_the_dot_kernel_and_onednn(monkeyp
     fused = load_fused_ops()
     gen = torch.Generator().manual_seed(12)
     linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
-    packed = PackedLinear(linear, None, False, dot)
+    packed = PackedLinear(linear, None, False, dot, layouts="two")
     assert packed.amx_max_rows == BF16_AMX_MAX_ROWS and f"AMX tiles up to {BF16_AMX_MAX_ROWS}" in repr(packed)
     for rows in (packed.dot_max_rows + 1, 50, BF16_AMX_MAX_ROWS):
         x = bf16_randn(rows, 96, gen=gen)
@@ -291,6 +291,8 @@ def test_packed_linear_takes_amx_tiles_between_the_dot_kernel_and_onednn(monkeyp
     x = bf16_randn(BF16_AMX_MAX_ROWS + 1, 96, gen=gen)
     assert torch.equal(packed(x), torch.ops.mkldnn._linear_pointwise(x, packed.weight, packed.bias, "none", [], ""))
     assert PackedLinear(nn.Linear(80, 40).to(BF16), None, False, dot).amx_max_rows == 0
-    gate_up = PackedLinear(nn.Linear(96, 48, bias=False).requires_grad_(False).to(BF16), None, False, dot, gate_up=True)
+    gate_up = PackedLinear(
+        nn.Linear(96, 48, bias=False).requires_grad_(False).to(BF16), None, False, dot, gate_up=True, layouts="two"
+    )
     x = bf16_randn(30, 96, gen=gen)
     assert torch.equal(gate_up.silu_and_mul(x, fused), dot.amx_silu_mul(x, gate_up._gate_up_pairs, 24))

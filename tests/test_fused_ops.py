@@ -447,7 +447,7 @@ def test_bf16_packed_linear_takes_panels_for_few_rows_and_onednn_above(ops) -> N
     from vlm_engine.models.prepack import BF16_PANEL_MAX_ROWS
 
     linear = nn.Linear(96, 40).requires_grad_(False).to(BF16)
-    packed = PackedLinear(linear, ops)
+    packed = PackedLinear(linear, ops, layouts="two")
     assert packed._panels is not None and "oneDNN above" in repr(packed)
     x = randn(BF16_PANEL_MAX_ROWS + 3, 96, seed=5)
     panel_rows = x[:BF16_PANEL_MAX_ROWS]

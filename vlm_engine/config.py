@@ -24,6 +24,7 @@ DEFAULT_MODEL = "placard-default"  # the embedded default that sees images (vlm_
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 NUMERICS = ("fast", "exact")
 QUANTIZATIONS = ("int8", "int4")  # weight-only schemes of vlm_engine.models.quantized
+WEIGHT_LAYOUTS = ("one", "two")  # how many layouts a packed bf16 linear keeps (vlm_engine.models.prepack)
 
 T = TypeVar("T")
 
@@ -220,6 +221,14 @@ class ModelConfig(Section):
     )
     fused_cpu_ops: bool = field(
         default=True, metadata=doc("fast numerics on CPU: C++ norm/rotary/SiLU ops (models.fused_ops)")
+    )
+    weight_layouts: str = field(
+        default="one",
+        metadata=doc(
+            "fast numerics on CPU: a packed bf16 linear's weight held once, in the layout of the decode "
+            "kernels (one), or also in oneDNN's for prefill-sized products (two: twice the memory)",
+            choices=WEIGHT_LAYOUTS,
+        ),
     )
     attention_backend: str = field(
         default="auto", metadata=doc("the paged-attention kernels (vlm_engine.attention.backends)", metavar="NAME")

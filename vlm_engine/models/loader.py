@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import re
-from collections.abc import Iterable, Iterator
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,43 @@ from vlm_engine.models.layers import MergedLinear
 logger = logging.getLogger(__name__)
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+# safetensors' dtype names -> torch's (the header's "dtype").
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
 
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A checkpoint tensor not read yet: where its bytes lie in an open file. `read_into` reads them
+    straight into the parameter that takes them (no mmap of the file, whose pages would count in the
+    process's resident memory, and no second copy of the tensor); `read` gives a tensor of its own."""
+
+    fd: int
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self.read_into(out)
+        return out
+
+    def read_into(self, dst: torch.Tensor) -> None:
+        """dst: contiguous, of this dtype and shape (a row range of a fused weight is)."""
+        buffer = memoryview(dst.detach().reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(buffer):  # one read returns at most ~2 GiB
+            got = os.preadv(self.fd, [buffer[done:]], self.offset + done)
+            if got <= 0:
+                raise OSError(f"checkpoint file ended {len(buffer) - done} bytes early")
+            done += got
+
+
+def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor | StoredTensor]]:
+    """(name, tensor) of every *.safetensors file in `model_dir`, one file open at a time: a
+    StoredTensor where the dtype is one of `_SAFETENSORS_DTYPES`, else the tensor safetensors reads."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -30,14 +67,38 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     for name in files:
-        with safe_open(str(model_dir / name), framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
+        path = model_dir / name
+        with open(path, "rb", buffering=0) as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_size))
+            header.pop("__metadata__", None)
+            data_start = 8 + header_size
+            for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+                dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
+                if dtype is None:
+                    yield key, _read_with_safetensors(path, key)
+                else:
+                    yield key, StoredTensor(f.fileno(), data_start + entry["data_offsets"][0], dtype, tuple(entry["shape"]))
 
 
-def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+def _read_with_safetensors(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def load_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor | StoredTensor]],
+    on_filled: Callable[[str], None] | None = None,
+) -> list[str]:
     """Copy checkpoint tensors into `model`, filling fused projections shard by shard; returns the
     checkpoint names that went nowhere (logged: the weight-name tests require none).
+
+    `on_filled(module_path)` is called for each nn.Linear as soon as all its parameters (every shard
+    of a fused one) are filled, unless one of them is tied to another parameter; it may replace the
+    module (prepack.LoadTimePacker packs it), and this function then holds no reference to the old one.
 
     Raises if any parameter is left unset, so a naming mismatch can never run on random weights.
     """
@@ -47,6 +108,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     # A family whose checkpoints store a tensor in another layout than its module converts it here.
     adapt = getattr(model, "adapt_checkpoint_tensor", None)
     tied = {name for name, p in params.items() if any(p is q and name != n for n, q in params.items())}
+    pending = _linear_entries(model, tied) if on_filled is not None else {}
     loaded: set[str] = set()
     unused: list[str] = []
     with torch.no_grad():
@@ -56,20 +118,29 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
                     name = new + name[len(old) :]
                     break
             if adapt is not None:
-                tensor = adapt(name, tensor)
+                tensor = adapt(name, tensor.read() if isinstance(tensor, StoredTensor) else tensor)
             if name in params:
                 _copy(params[name], tensor, name)
-                loaded.add(name)
-                continue
-            module_path, _, param_name = name.rpartition(".")
-            target = shard_targets.get(module_path)
-            if target is None:
-                unused.append(name)
-                continue
-            fused_name, module, shard = target
-            start, size = module.shards[shard]
-            _copy(getattr(module, param_name).narrow(0, start, size), tensor, name)
-            loaded.add(f"{fused_name}.{param_name}:{shard}")
+                entry, module_path = name, name.rpartition(".")[0]
+            else:
+                module_path, _, param_name = name.rpartition(".")
+                target = shard_targets.get(module_path)
+                if target is None:
+                    unused.append(name)
+                    continue
+                fused_name, module, shard = target
+                start, size = module.shards[shard]
+                _copy(getattr(module, param_name).narrow(0, start, size), tensor, name)
+                entry, module_path = f"{fused_name}.{param_name}:{shard}", fused_name
+            loaded.add(entry)
+            del tensor
+            left = pending.get(module_path)
+            if left is not None:
+                left.discard(entry)
+                if not left:
+                    del pending[module_path]
+                    _forget_module(module_path, params, shard_targets)
+                    on_filled(module_path)  # type: ignore[misc]
     missing = []
     for name, param in params.items():
         if name in loaded:
@@ -89,6 +160,31 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     return unused
 
 
+def _linear_entries(model: nn.Module, tied: set[str]) -> dict[str, set[str]]:
+    """Module path -> the entries `load_weights` marks loaded for it (a parameter's name, or
+    name:shard of a fused one), for every nn.Linear none of whose parameters is tied."""
+    entries = {}
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        names = [f"{path}.{p}" if path else p for p, _ in module.named_parameters(recurse=False)]
+        if any(name in tied for name in names):
+            continue
+        shards = module.shards if isinstance(module, MergedLinear) else None
+        entries[path] = {f"{n}:{s}" for n in names for s in shards} if shards else set(names)
+    return entries
+
+
+def _forget_module(path: str, params: dict[str, nn.Parameter], shard_targets: dict[str, Any]) -> None:
+    """Drop load_weights' references to the filled module at `path` (its parameters, its shard
+    targets), so that replacing it frees its weights."""
+    prefix = f"{path}."
+    for name in [n for n in params if n.startswith(prefix) and "." not in n[len(prefix) :]]:
+        del params[name]
+    for key in [k for k, target in shard_targets.items() if target[0] == path]:
+        del shard_targets[key]
+
+
 def _shard_targets(model: nn.Module) -> dict[str, tuple[str, MergedLinear, str]]:
     """Checkpoint module path (e.g. '...self_attn.q_proj') -> (fused module path, module, shard)."""
     targets = {}
@@ -100,9 +196,14 @@ def _shard_targets(model: nn.Module) -> dict[str, tuple[str, MergedLinear, str]]
     return targets
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
+def _copy(dst: torch.Tensor, src: torch.Tensor | StoredTensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    if isinstance(src, StoredTensor):
+        if dst.dtype == src.dtype and dst.is_contiguous() and dst.device.type == "cpu":
+            src.read_into(dst)
+            return
+        src = src.read()  # another dtype (cast as it is copied in) or layout: one tensor at a time
     dst.copy_(src)
 
 

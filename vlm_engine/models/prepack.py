@@ -49,6 +49,7 @@ Sapphire Rapids forced to AVX2, fp32 vs bf16 panels: M=1 24.3 vs 14.8 ms, M=16 4
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable
 from types import ModuleType
@@ -57,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.config import WEIGHT_LAYOUTS
 from vlm_engine.kernels.cpu_isa import has_amx_bf16, onednn_bf16_packing
 
 logger = logging.getLogger(__name__)
@@ -79,6 +81,9 @@ BF16_DOT_MAX_ROWS_AMX = 6
 # On a CPU with AMX, bf16 linears above the dot kernel's rows and up to this many take our AMX
 # tiles (`amx_linear`, the same pairs), more rows oneDNN's AMX GEMM (see the module docstring).
 BF16_AMX_MAX_ROWS = 128
+# A kernel's row limit where it takes every row count (one weight layout: nothing to hand larger
+# products to).
+ALL_ROWS = 2**62
 
 
 def bf16_dot_max_rows() -> int:
@@ -120,8 +125,9 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Module):
     """A frozen nn.Linear whose weight lives in oneDNN's blocked layout, or (fp32 with
     `panel_ops`, the fused-ops extension) in the panel layout of `panel_ops.panel_linear`. bf16
-    keeps oneDNN's layout and a second one for the smaller products: `dot_ops.dot_linear`'s pairs
-    (up to `dot_max_rows` rows) where given, else `panel_ops`' panels (up to BF16_PANEL_MAX_ROWS)."""
+    takes `dot_ops.dot_linear`'s pairs where given, else `panel_ops`' panels; with `layouts="one"`
+    (the default) in that layout alone at every row count, with "two" beside oneDNN's layout, which
+    then takes the products above `dot_max_rows` (pairs) or BF16_PANEL_MAX_ROWS (panels) rows."""
 
     def __init__(
         self,
@@ -130,8 +136,11 @@ class PackedLinear(nn.Module):
         bf16_weights: bool = False,
         dot_ops: ModuleType | None = None,
         gate_up: bool = False,
+        layouts: str = "one",
     ) -> None:
         super().__init__()
+        if layouts not in WEIGHT_LAYOUTS:
+            raise ValueError(f"layouts must be one of {WEIGHT_LAYOUTS}, got {layouts!r}")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -140,23 +149,35 @@ class PackedLinear(nn.Module):
         self._panel_ops = panel_ops
         # fp32 activations on bf16 panels: only for an fp32 layer, and only on the panel kernel.
         self.bf16_weights = bf16_weights and panel_ops is not None and self.dtype == torch.float32
-        stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
         # bf16 on the dot kernel: its pairs replace the panels.
         self._dot_ops = dot_ops if self.dtype == torch.bfloat16 else None
-        self.dot_max_rows = bf16_dot_max_rows()
         self.amx_max_rows = bf16_amx_max_rows(self._dot_ops, self.in_features)
+        self.dot_max_rows = bf16_dot_max_rows()
+        one = layouts == "one"
+        if one and self._dot_ops is not None:
+            # No oneDNN layout to hand large products to: our AMX tiles take every row count above
+            # the dot kernel's where the CPU has them, else the dot kernel takes all.
+            if self.amx_max_rows:
+                self.amx_max_rows = ALL_ROWS
+            else:
+                self.dot_max_rows = ALL_ROWS
         # A gate/up projection (`gate_up`: gate rows, then as many up rows) whose output only feeds
         # silu(gate) * up keeps its pairs in the order of the kernel that applies that activation
-        # in registers (`silu_and_mul`); a plain call on it then takes oneDNN at every size.
+        # in registers (`silu_and_mul`); a plain call on it then takes oneDNN at every size (two
+        # layouts), or those pairs with the columns put back in order (one).
         gated = self._dot_ops is not None and gate_up and self.bias is None and self.out_features % 16 == 0
         self._gate_up_pairs = self._dot_ops.pack_gate_up(weight.contiguous()) if gated else None
         self._pairs = None if self._dot_ops is None or gated else self._dot_ops.pack_pairs(weight.contiguous())
         # The dot kernel adds the bias in fp32: converted once here, not on every call.
         self._dot_bias = None if self._pairs is None or self.bias is None else self.bias.float()
+        stored = weight.to(torch.bfloat16) if self.bf16_weights else weight
         self._panels = None if panel_ops is None or self._dot_ops is not None else panel_ops.pack_panels(stored)
-        # fp32: panels at every size; bf16: panels for the few-row products, oneDNN above.
-        self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 else None
-        if self._panels is not None and self._panel_max_rows is None:
+        del stored
+        # fp32, and bf16 in one layout: panels at every size; bf16 in two: panels for the few-row
+        # products, oneDNN above.
+        self._panel_max_rows = BF16_PANEL_MAX_ROWS if self.dtype == torch.bfloat16 and not one else None
+        self.layouts = layouts
+        if self._dot_ops is not None and one or self._panels is not None and self._panel_max_rows is None:
             # A storage-free stand-in that reports dtype, device and the logical [out, in] shape.
             self.weight = weight.new_zeros(()).expand(self.out_features, self.in_features)
         else:
@@ -164,6 +185,14 @@ class PackedLinear(nn.Module):
             # shape, which code such as Transformers' vision tower reads); kept out of parameters().
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_BATCH_HINT[self.dtype])
         self._rows = self._bind_rows_kernel()
+
+    def held_bytes(self) -> int:
+        """Bytes of the weight layouts and biases this layer holds (oneDNN's by its logical size)."""
+        tensors = (self._pairs, self._gate_up_pairs, self._panels, self.bias, self._dot_bias)
+        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if self.weight.stride() != (0, 0):  # oneDNN's layout, not the stand-in
+            held += self.weight.numel() * self.weight.element_size()
+        return held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:  # e.g. a vision block run in fp32 by its own code
@@ -186,17 +215,28 @@ class PackedLinear(nn.Module):
         def onednn(x: torch.Tensor) -> torch.Tensor:
             return linear_pointwise(x, onednn_weight, bias, "none", [], "")
 
-        if self._pairs is not None:
+        if self._pairs is not None or self._gate_up_pairs is not None and self.layouts == "one":
             assert self._dot_ops is not None
-            dot, pairs, dot_bias, dot_rows = self._dot_ops.dot_linear, self._pairs, self._dot_bias, self.dot_max_rows
-            # amx_max_rows 0 (no usable tiles): every row count past the dot kernel's goes to oneDNN.
+            dot, dot_rows = self._dot_ops.dot_linear, self.dot_max_rows
+            # amx_max_rows 0 (no usable tiles): every row count past the dot kernel's goes to oneDNN
+            # (two layouts; with one the dot kernel takes every row count).
             amx, amx_rows = self._dot_ops.amx_linear, self.amx_max_rows
+            if self._pairs is not None:
+                pairs, dot_bias = self._pairs, self._dot_bias
+                return lambda x: (
+                    dot(x, pairs, n, dot_bias)
+                    if x.shape[0] <= dot_rows
+                    else amx(x, pairs, n, dot_bias)
+                    if x.shape[0] <= amx_rows
+                    else onednn(x)
+                )
+            # The gate/up pairs alone: panel p holds gate columns 8p..8p+7, then the same up columns.
+            gate_up, panels = self._gate_up_pairs, n // 16
             return lambda x: (
-                dot(x, pairs, n, dot_bias)
-                if x.shape[0] <= dot_rows
-                else amx(x, pairs, n, dot_bias)
-                if x.shape[0] <= amx_rows
-                else onednn(x)
+                (dot(x, gate_up, n) if x.shape[0] <= dot_rows else amx(x, gate_up, n))
+                .view(-1, panels, 2, 8)
+                .transpose(1, 2)
+                .reshape(-1, n)
             )
         if self._panels is not None:
             assert self._panel_ops is not None
@@ -234,11 +274,9 @@ class PackedLinear(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        amx = f", AMX tiles up to {self.amx_max_rows}" if self.amx_max_rows else ""
-        if self._gate_up_pairs is not None:
-            layout = f"bf16 dot pairs with silu(gate) * up up to {self.dot_max_rows} rows{amx}, oneDNN above"
-        elif self._pairs is not None:
-            layout = f"bf16 dot pairs up to {self.dot_max_rows} rows{amx}, oneDNN above"
+        if self._gate_up_pairs is not None or self._pairs is not None:
+            pairs = "bf16 dot pairs with silu(gate) * up" if self._gate_up_pairs is not None else "bf16 dot pairs"
+            layout = f"{pairs} {_rows_phrase(self.dot_max_rows, self.amx_max_rows)}"
         elif self._panels is None:
             layout = "oneDNN"
         elif self._panel_max_rows is None:
@@ -250,8 +288,42 @@ class PackedLinear(nn.Module):
         )
 
 
+def gate_up_projection(parent: nn.Module, child: nn.Linear) -> bool:
+    """A MergedLinear of exactly gate_proj then up_proj in a SiLU GatedMLP: its output only feeds
+    silu(gate) * up, which the layer plans ask of it (`silu_and_mul_rows_fn`). Another activation
+    (Gemma's GELU) reads the projection's plain output, so it keeps the plain packing."""
+    shards = getattr(child, "shards", {})
+    return (
+        tuple(shards) == ("gate_proj", "up_proj")
+        and shards["gate_proj"][1] == shards["up_proj"][1]
+        and getattr(parent, "activation", "silu") == "silu"
+    )
+
+
+def pack_child(
+    parent: nn.Module,
+    name: str,
+    panel_ops: ModuleType | None = None,
+    bf16_weights: bool = False,
+    dot_ops: ModuleType | None = None,
+    layouts: str = "one",
+) -> PackedLinear | None:
+    """Replace `parent`'s bf16/fp32 nn.Linear `name` by a PackedLinear (None: not such a linear).
+    The plain weight is freed with the nn.Linear unless something else holds it (a tied embedding)."""
+    child = getattr(parent, name)
+    if not isinstance(child, nn.Linear) or child.weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    packed = PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up_projection(parent, child), layouts)
+    setattr(parent, name, packed)
+    return packed
+
+
 def prepack_linears(
-    model: nn.Module, panel_ops: ModuleType | None = None, bf16_weights: bool = False, dot_ops: ModuleType | None = None
+    model: nn.Module,
+    panel_ops: ModuleType | None = None,
+    bf16_weights: bool = False,
+    dot_ops: ModuleType | None = None,
+    layouts: str = "one",
 ) -> int:
     """Replace every bf16/fp32 nn.Linear in `model` by a PackedLinear; returns how many were replaced.
 
@@ -259,7 +331,8 @@ def prepack_linears(
     weights are loaded before this runs, so only the matmul is needed afterwards. With `panel_ops`
     (the fused-ops extension, vectorised build) fp32 linears take the panel kernel, on bf16 panels
     with `bf16_weights`; with `dot_ops` (the bf16 dot-product extension) bf16 linears take its kernel
-    up to `bf16_dot_max_rows()` rows.
+    (see PackedLinear for `layouts`). Linears `LoadTimePacker` packed while the weights loaded are
+    checked and counted here too.
     """
     # (parent, name) only: holding the modules would keep every original weight alive until the last
     # one is packed (a bf16 3B model peaked at its weights three times over, 18.6 GB).
@@ -269,37 +342,122 @@ def prepack_linears(
         for name, child in list(parent.named_children())
         if isinstance(child, nn.Linear) and child.weight.dtype in (torch.bfloat16, torch.float32)
     ]
-    dtypes: set[torch.dtype] = set()
     for parent, name in linears:
-        child = getattr(parent, name)
-        dtypes.add(child.weight.dtype)
-        # A MergedLinear of exactly gate_proj then up_proj in a SiLU GatedMLP: its output only feeds
-        # silu(gate) * up, which the layer plans ask of it (`silu_and_mul_rows_fn`). Another activation
-        # (Gemma's GELU) reads the projection's plain output, so it keeps the plain packing.
-        shards = getattr(child, "shards", {})
-        gate_up = (
-            tuple(shards) == ("gate_proj", "up_proj")
-            and shards["gate_proj"][1] == shards["up_proj"][1]
-            and getattr(parent, "activation", "silu") == "silu"
-        )
-        setattr(parent, name, PackedLinear(child, panel_ops, bf16_weights, dot_ops, gate_up))
+        pack_child(parent, name, panel_ops, bf16_weights, dot_ops, layouts)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    dtypes = {m.dtype for m in packed}
     for dtype in dtypes:
-        _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops)
-    amx_in_use = max((m.amx_max_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
-    amx_rows = f", AMX tiles up to {amx_in_use}" if amx_in_use else ""
-    kernel_names = {
-        torch.float32: ("bf16 weight panels" if bf16_weights else "panels") if panel_ops is not None else "oneDNN",
-        torch.bfloat16: f"bf16 dot products up to {bf16_dot_max_rows()} rows{amx_rows}, oneDNN above"
-        if dot_ops is not None
-        else (f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above" if panel_ops is not None else "oneDNN"),
-    }
-    kernels = ", ".join(f"{str(d).removeprefix('torch.')}: {kernel_names[d]}" for d in sorted(dtypes, key=str))
-    logger.info("prepacked %d linear layers (%s)", len(linears), kernels or "none")
+        _check_close_to_plain_linear(dtype, panel_ops, bf16_weights, dot_ops, layouts)
+    kernels = ", ".join(
+        f"{str(d).removeprefix('torch.')}: {_kernel_name(d, panel_ops, bf16_weights, dot_ops, layouts, packed)}"
+        for d in sorted(dtypes, key=str)
+    )
+    held = sum(m.held_bytes() for m in packed)
+    logger.info("prepacked %d linear layers, %.0f MiB held (%s)", len(packed), held / 2**20, kernels or "none")
     return len(linears)
 
 
+def _kernel_name(
+    dtype: torch.dtype,
+    panel_ops: ModuleType | None,
+    bf16_weights: bool,
+    dot_ops: ModuleType | None,
+    layouts: str,
+    packed: list[PackedLinear],
+) -> str:
+    """What the packed linears of `dtype` run, for the log."""
+    if dtype == torch.float32:
+        return ("bf16 weight panels" if bf16_weights else "panels") if panel_ops is not None else "oneDNN"
+    if dot_ops is not None:
+        amx_rows = max((m.amx_max_rows for m in packed if m.dtype == dtype), default=0)
+        dot_rows = max((m.dot_max_rows for m in packed if m.dtype == dtype and m._dot_ops is not None), default=0)
+        return f"bf16 dot products {_rows_phrase(dot_rows, amx_rows)}"
+    if panel_ops is not None:
+        return "panels" if layouts == "one" else f"panels up to {BF16_PANEL_MAX_ROWS} rows, oneDNN above"
+    return "oneDNN"
+
+
+def _rows_phrase(dot_rows: int, amx_rows: int) -> str:
+    """Which rows the dot kernel, the AMX tiles and oneDNN take."""
+    if dot_rows >= ALL_ROWS:
+        return "at every row count"
+    if amx_rows >= ALL_ROWS:
+        return f"up to {dot_rows} rows, AMX tiles above"
+    amx = f", AMX tiles up to {amx_rows}" if amx_rows else ""
+    return f"up to {dot_rows} rows{amx}, oneDNN above"
+
+
+class LoadTimePacker:
+    """Packs each linear as soon as the loader has filled its weights (`loader.load_weights`'
+    `on_filled`), so that a model's plain weights and its packed ones never exist side by side: the
+    plain tensor is freed, and its pages handed back to the kernel, before the next one is read.
+    A linear not in `dtype` is cast first; `quantize(parent, name, path)` (weight-only quantization)
+    may then replace it; with `pack` the rest become PackedLinears, those under `encoder_paths` (media
+    encoders, which only multiply prefill-sized row counts) in oneDNN's layout alone, as
+    `registry.build_model` packs them. `quantize_linears` and `prepack_linears` afterwards take what is
+    left (a linear tied to the embedding), check the kernels and log."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        panel_ops: ModuleType | None,
+        bf16_weights: bool,
+        dot_ops: ModuleType | None,
+        layouts: str,
+        encoder_paths: tuple[str, ...] = (),
+        pack: bool = True,
+        quantize: Callable[[nn.Module, str, str], nn.Module | None] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self._model = model
+        self._dtype = dtype
+        self._kernels = (panel_ops, bf16_weights, dot_ops, layouts)
+        self._encoders = tuple(f"{path}." for path in encoder_paths)
+        self._pack = pack
+        self._quantize = quantize
+
+    def __call__(self, path: str) -> None:
+        parent_path, _, name = path.rpartition(".")
+        parent = self._model.get_submodule(parent_path)
+        child = getattr(parent, name)
+        if self._dtype is not None and child.weight.dtype != self._dtype and child.weight.is_floating_point():
+            # Built outside the meta device in another dtype (Transformers' Qwen2-VL tower): cast as
+            # build_model's `model.to(dtype)` would have before packing.
+            child.to(self._dtype)
+        del child
+        replaced = self._quantize is not None and self._quantize(parent, name, path) is not None
+        if not replaced and self._pack:
+            encoder = (path + ".").startswith(self._encoders) if self._encoders else False
+            replaced = pack_child(parent, name, *(() if encoder else self._kernels)) is not None
+        if replaced:
+            release_freed_memory()
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the kernel (glibc's malloc_trim): the engine keeps freed memory
+    in the process (`host_memory`), so without this each replaced plain weight would stay resident."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
 def _check_close_to_plain_linear(
-    dtype: torch.dtype, panel_ops: ModuleType | None, bf16_weights: bool = False, dot_ops: ModuleType | None = None
+    dtype: torch.dtype,
+    panel_ops: ModuleType | None,
+    bf16_weights: bool = False,
+    dot_ops: ModuleType | None = None,
+    layouts: str = "one",
 ) -> None:
     """Fail loudly at start-up if this build's packed op disagrees with F.linear (on the weights
     rounded to bf16, where the panels hold those)."""
@@ -310,11 +468,12 @@ def _check_close_to_plain_linear(
         linear.bias.copy_(torch.randn(48, generator=gen))
     linear = linear.to(dtype)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-4
-    packed = PackedLinear(linear, panel_ops, bf16_weights, dot_ops)
+    packed = PackedLinear(linear, panel_ops, bf16_weights, dot_ops, layouts=layouts)
     if packed.bf16_weights:
         with torch.no_grad():
             linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
-    for rows in sorted({1, 5, 70, packed.dot_max_rows + 1, packed.amx_max_rows + 1}):  # every kernel rows can pick
+    thresholds = {r + 1 for r in (packed.dot_max_rows, packed.amx_max_rows) if r < ALL_ROWS}
+    for rows in sorted({1, 5, 70, 300} | thresholds):  # every kernel rows can pick
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         got, want = packed(x).float(), linear(x).float()
         if not torch.allclose(got, want, rtol=tol, atol=tol):
@@ -323,7 +482,7 @@ def _check_close_to_plain_linear(
         plain = nn.Linear(96, 48, bias=False, dtype=dtype).requires_grad_(False)  # gate 24, up 24
         with torch.no_grad():
             plain.weight.copy_(linear.weight)
-        gated = PackedLinear(plain, dot_ops=dot_ops, gate_up=True)
+        gated = PackedLinear(plain, dot_ops=dot_ops, gate_up=True, layouts=layouts)
         # The kernels' epilogue only: the dot kernel's rows and the AMX tiles'.
         for rows in (r for r in (1, 5, 70) if r <= max(gated.dot_max_rows, gated.amx_max_rows)):
             x = torch.randn(rows, 96, generator=gen).to(dtype)
@@ -331,3 +490,5 @@ def _check_close_to_plain_linear(
             got, want = gated.silu_and_mul(x, fused=None).float(), F.silu(gate) * up  # type: ignore[arg-type]
             if not torch.allclose(got, want, rtol=tol, atol=tol):
                 raise RuntimeError(f"the bf16 dot kernel's silu(gate) * up disagrees with F.silu at {rows} rows")
+            if not torch.allclose(gated(x).float(), torch.cat([gate, up], dim=-1), rtol=tol, atol=tol):
+                raise RuntimeError(f"the bf16 gate/up projection ({gated.extra_repr()}) disagrees at {rows} rows")

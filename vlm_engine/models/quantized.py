@@ -80,29 +80,38 @@ def decoder_bits(scheme: str, module_path: str) -> int | None:
     return None
 
 
+def quantize_child(parent: nn.Module, name: str, path: str, scheme: str, ops: ModuleType) -> QuantizedLinear | None:
+    """Replace `parent`'s nn.Linear `name` (at `path` in the model) by a QuantizedLinear if `scheme`
+    quantizes it (`decoder_bits`) and its inputs divide into groups; None where it stays."""
+    child = getattr(parent, name)
+    bits = decoder_bits(scheme, path)
+    if bits is None or not isinstance(child, nn.Linear):
+        return None
+    if child.in_features % GROUP:
+        logger.info("%s: %d inputs is not a multiple of %d, left unquantized", path, child.in_features, GROUP)
+        return None
+    quantized = QuantizedLinear(child, bits, ops)
+    setattr(parent, name, quantized)
+    return quantized
+
+
 def quantize_linears(model: nn.Module, scheme: str, ops: ModuleType) -> int:
-    """Replace the decoder's nn.Linears (and the LM head) by QuantizedLinears; returns how many."""
+    """Replace the decoder's nn.Linears (and the LM head) by QuantizedLinears; returns how many (those
+    `prepack.LoadTimePacker` quantized while the weights loaded are counted in the log)."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
     if not ops.quant_linear_vectorized():
         logger.warning("the int%s kernel has no AVX2 build on this CPU: portable loops, slow", scheme[3:])
-    replaced, before, after = 0, 0, 0
+    replaced = 0
     for path, module in list(model.named_modules()):
-        for name, child in list(module.named_children()):
+        for name, _ in list(module.named_children()):
             child_path = f"{path}.{name}" if path else name
-            bits = decoder_bits(scheme, child_path)
-            if bits is None or not isinstance(child, nn.Linear):
-                continue
-            if child.in_features % GROUP:
-                logger.info("%s: %d inputs is not a multiple of %d, left unquantized", child_path, child.in_features, GROUP)
-                continue
-            quantized = QuantizedLinear(child, bits, ops)
-            before += child.weight.numel() * child.weight.element_size()
-            after += quantized.codes.numel() + quantized.scales.numel() * 2
-            setattr(module, name, quantized)
-            replaced += 1
+            replaced += quantize_child(module, name, child_path, scheme, ops) is not None
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    before = sum(m.in_features * m.out_features * 4 for m in quantized)  # their fp32 weights
+    after = sum(m.codes.numel() + m.scales.numel() * 2 for m in quantized)
     logger.info(
         "quantized %d linear layers (%s weight-only, lm_head int8): %.0f -> %.0f MiB",
-        replaced, scheme, before / 2**20, after / 2**20,
+        len(quantized), scheme, before / 2**20, after / 2**20,
     )
     return replaced

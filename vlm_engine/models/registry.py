@@ -8,6 +8,7 @@ architecture is served.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
@@ -28,8 +29,8 @@ from vlm_engine.models import loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.family import ModelFamily, VLModel, text_config_of
 from vlm_engine.models.layers import RotaryEmbedding
-from vlm_engine.models.prepack import prepack_linears, prepack_supported
-from vlm_engine.models.quantized import quantize_linears
+from vlm_engine.models.prepack import LoadTimePacker, prepack_linears, prepack_supported
+from vlm_engine.models.quantized import quantize_child, quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +218,7 @@ def build_model(
     quantization: str | None = None,
     quant_ops: ModuleType | None = None,
     bf16_weights: bool = False,
+    weight_layouts: str = "one",
 ) -> VLModel:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
@@ -228,7 +230,14 @@ def build_model(
         if source.gguf_path is not None
         else loader.iter_safetensors(source.directory)
     )
-    loader.load_weights(model, weights)
+    # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
+    packing = prepack and prepack_supported(device, dtype)
+    quantizing = bool(quantization) and device.type == "cpu" and dtype == torch.float32 and quant_ops is not None
+    quantize = functools.partial(quantize_child, scheme=quantization, ops=quant_ops) if quantizing else None
+    dot_ops = load_bf16_dot_gemm() if packing and dtype == torch.bfloat16 else None
+    encoders = tuple(getattr(model, "encoder_modules", ()))
+    pack = LoadTimePacker(model, panel_ops, bf16_weights, dot_ops, weight_layouts, encoders, packing, quantize, dtype)
+    loader.load_weights(model, weights, on_filled=pack if packing or quantizing else None)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     for module in model.modules():
@@ -238,13 +247,11 @@ def build_model(
         if device.type != "cpu" or dtype != torch.float32 or quant_ops is None:
             raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
         quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
-    if prepack and prepack_supported(device, dtype):
-        dot_ops = load_bf16_dot_gemm() if dtype == torch.bfloat16 else None
+    if packing:
         # A media encoder only ever multiplies prefill-sized row counts: one (oneDNN) layout for its linears.
-        encoders = [model.get_submodule(name) for name in getattr(model, "encoder_modules", ())]
-        for encoder in encoders:
-            prepack_linears(encoder)
-        prepack_linears(model, panel_ops, bf16_weights, dot_ops)
+        for name in encoders:
+            prepack_linears(model.get_submodule(name))
+        prepack_linears(model, panel_ops, bf16_weights, dot_ops, weight_layouts)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
 

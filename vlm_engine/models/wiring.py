@@ -70,7 +70,8 @@ def wire_model(config: EngineConfig) -> WiredModel:
     def build(checkpoint: ModelSource, checkpoint_config: Any, quantization: str | None) -> VLModel:
         quant_ops = (fused or load_fused_ops()) if quantization else None
         return build_model(
-            checkpoint, checkpoint_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights
+            checkpoint, checkpoint_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights,
+            cfg.weight_layouts,
         )  # fmt: skip
 
     model = build(source, hf_config, cfg.quantization)
