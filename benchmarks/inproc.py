@@ -1,5 +1,5 @@
 """The in-process harness: `inproc.py NAME [options]` runs one measurement (host, decode, roofline, linears,
-vision, video, batch, gemma3, grammar) inside this process and writes benchmarks/results/<name>-<time>/results.json.
+vision, video, batch, gemma3) inside this process and writes benchmarks/results/<name>-<time>/results.json.
 See benchmarks/README.md, "Other commands" and the sections that cite each measurement."""
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 # First: with VLM_ENGINE_ISA=avx2 importing roofline caps torch's libraries to AVX2 before torch loads.
 import roofline as R
-import grammar_libraries as G
 import models
 import stats as S
 
@@ -637,12 +636,6 @@ def gemma3(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     lines.append(f"| decode tok/s, batch {BATCH} x {BATCH_CONTEXT} | {a} | {b} | {a / b:.2f}x |")
     print("\n".join(lines))
     return {"rows": rows}
-
-
-# ---- grammar: llguidance against xgrammar (grammar_libraries.py) -------------------------------------------------
-
-VOCABS = ("smollm2", "qwen2-tiny", "synthetic-151k", "all")
-measurement("grammar", opt("--vocab", "all", "one of " + ", ".join(VOCABS)), opt("--repeats", 3))(G.measure)
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------------
