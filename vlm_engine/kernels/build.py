@@ -2,8 +2,8 @@
 models' fused ops and linears.
 
 Each build is cached under ``$VLM_ENGINE_CACHE/torch_extensions`` (default
-``~/.cache/vlm_engine/torch_extensions``) in a directory keyed by torch/Python version and the
-host CPU's ISA flags (the code is compiled with ``-march=native``, or the forced tier's -march);
+``~/.cache/vlm_engine/torch_extensions``) in a directory keyed by torch/Python version, the
+host CPU's ISA flags and the compiler flags (``-march=native``, or the forced tier's -march);
 torch's loader rebuilds when the source or flags change and serialises concurrent builds with a
 file lock. A build that fails with every flag set logs a warning and returns None: callers fall
 back to their torch reference.
@@ -96,19 +96,25 @@ def build_extension(name: str, source: Path, build_dir: Path | None = None) -> M
 
         _ensure_ninja_on_path()
         build_dir = Path(build_dir) if build_dir is not None else extension_build_dir(name)
-        build_dir.mkdir(parents=True, exist_ok=True)
     except Exception as e:  # noqa: BLE001
         logger.warning("C++ extension %s unavailable (%s); using the torch reference", name, e)
         return None
     verbose = os.environ.get("VLM_ENGINE_VERBOSE_BUILD", "") not in ("", "0")
     for flags in _flag_sets():
+        # Each flag set builds in a directory of its own (keyed by the flags' hash): with one
+        # directory for two command lines (a fallback build, or flags read before and after a test
+        # forced VLM_ENGINE_ISA) each process rebuilt what the other had built (CI logs showed ~6
+        # rebuilds a suite, ~30 s each, alternating between two command hashes).
+        digest = hashlib.sha1(" ".join(flags).encode()).hexdigest()[:8]
+        flags_dir = build_dir.with_name(f"{build_dir.name}-{digest}")
         try:
+            flags_dir.mkdir(parents=True, exist_ok=True)
             return load(
                 name=name,
                 sources=[str(source)],
                 extra_cflags=flags,
                 extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
+                build_directory=str(flags_dir),
                 verbose=verbose,
             )
         except Exception as e:  # noqa: BLE001
