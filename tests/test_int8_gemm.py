@@ -1,0 +1,149 @@
+"""The int8 / int4 GEMM for prefill-sized products (csrc/int8_gemm.cpp): equal bit for bit to fused_ops'
+quant_panel_linear on the same panels, and to a float64 oracle of the quantized math within fp32
+rounding, on every path this build has (`impl`), and on the AVX2 build that VLM_ENGINE_ISA=avx2 makes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from vlm_engine.models.quantized import GEMM_MIN_ROWS, QuantizedLinear
+
+REPO = Path(__file__).resolve().parents[1]
+IMPLS = {1: "avx512-vnni", 2: "avx-vnni-256", 3: "avx2-maddubs"}
+# [m, n, k]: odd row and column counts (partial tiles, a partial last panel, half-panel vectors),
+# k from one group up; a thread takes x in blocks of 128 rows x up to 384 KiB: 101 x 4096 spans two
+# blocks of inputs (partial sums kept in y between them), 133 rows two blocks of rows.
+SHAPES = [(1, 37, 64), (5, 16, 32), (17, 100, 96), (33, 130, 576), (70, 53, 160), (101, 40, 4096), (133, 24, 96)]
+
+
+@pytest.fixture(scope="module")
+def gemm() -> Any:
+    from tests.kernel_builds import require_extension
+    from vlm_engine.models.int8_gemm import load_int8_gemm
+
+    return require_extension(load_int8_gemm, "the int8 GEMM extension")
+
+
+def _case(m: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w, b, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+    w[:, :32] = 0  # a group of zero weights (scale 0)
+    x[0, -32:] = 0  # and of zero activations (their scale 0, inverse 0)
+    x[-1, :32] *= 1e3  # a group far larger than the rest
+    return w, b, x
+
+
+def _panel_codes(codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int) -> tuple[torch.Tensor, ...]:
+    """Integer codes [n, k], scales d and minima m [n, k/32] (float64), read from the panel layout
+    directly (fused_ops.cpp: int8 byte 4c+j of block b is column c's input 4b+j; int4 byte 4c+j holds
+    input 8b+j in its low nibble and 8b+4+j in its high one; scales [P][K/32][2][16])."""
+    panels, blocks, _ = codes.shape
+    if bits == 8:
+        q = codes.view(panels, blocks, 16, 4).permute(0, 2, 1, 3).reshape(panels * 16, blocks * 4).long()
+    else:
+        raw = codes.view(panels, blocks, 16, 4).long()
+        q = torch.cat([raw & 15, raw >> 4], dim=-1).permute(0, 2, 1, 3).reshape(panels * 16, blocks * 8)
+    half = scales.view(torch.float16).double()  # [P, G, 2, 16]
+    d, mins = (half[:, :, j, :].permute(0, 2, 1).reshape(panels * 16, -1) for j in (0, 1))
+    return q[:n], d[:n], mins[:n]
+
+
+def _oracle(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """llama.cpp's Q8_0 / Q8_1 activations times the codes in float64: per row and group of 32,
+    qx = round-half-even(x * (1 / dx)) with dx = max|x| / 127 (both fp32, as the kernels compute them);
+    y = sum over groups of d dx (qx . q) + m (sum of x) + bias."""
+    m, k = x.shape
+    q, d, mins = _panel_codes(codes, scales, n, bits)
+    groups = x.view(m, k // 32, 32)
+    dx = groups.abs().amax(-1) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    qx = torch.round(groups * inv[..., None]).double()  # [m, G, 32]
+    sums = torch.einsum("mgi,ngi->mng", qx, q.double().view(n, k // 32, 32))  # exact integers
+    y = (sums * d[None] * dx.double()[:, None, :]).sum(-1) + groups.double().sum(-1) @ mins.T
+    return y + (0 if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("impl", sorted(IMPLS), ids=list(IMPLS.values()))
+def test_equals_the_decode_kernel_bit_for_bit(ops: Any, gemm: Any, impl: int, bits: int) -> None:
+    if impl not in gemm.impls():
+        pytest.skip(f"this build has no {IMPLS[impl]} path (it has {[IMPLS[i] for i in gemm.impls()]})")
+    assert gemm.impl_name(impl) == IMPLS[impl]
+    for m, n, k in SHAPES:
+        w, b, x = _case(m, n, k, seed=m * n + bits)
+        codes, scales = ops.quantize_panels(w, bits)
+        for bias in (b, None):
+            got = gemm.quant_gemm(x, codes, scales, n, bits, bias, impl=impl)
+            assert torch.equal(got, ops.quant_panel_linear(x, codes, scales, n, bits, bias)), (m, n, k, bias is None)
+            torch.testing.assert_close(got.double(), _oracle(x, codes, scales, n, bits, bias), rtol=1e-5, atol=1e-4)
+
+
+def test_rows_with_a_stride_and_the_argument_checks(ops: Any, gemm: Any) -> None:
+    w, b, x = _case(9, 48, 128, seed=3)
+    codes, scales = ops.quantize_panels(w, 8)
+    wide = torch.cat([x, torch.ones(9, 32)], dim=1)[:, :128]  # rows 160 floats apart
+    assert torch.equal(gemm.quant_gemm(wide, codes, scales, 48, 8, b), gemm.quant_gemm(x, codes, scales, 48, 8, b))
+    assert gemm.quant_gemm(x[:0], codes, scales, 48, 8, b).shape == (0, 48)
+    with pytest.raises(RuntimeError, match="features"):
+        gemm.quant_gemm(x[:, :96].contiguous(), codes, scales, 48, 8, b)
+    with pytest.raises(RuntimeError, match="n does not match"):
+        gemm.quant_gemm(x, codes, scales, 64, 8, None)
+    with pytest.raises(RuntimeError, match="impl"):
+        gemm.quant_gemm(x, codes, scales, 48, 8, b, impl=7)
+
+
+def test_threads_give_the_same_numbers(ops: Any, gemm: Any) -> None:
+    """Threads take strips of columns: one thread or two, every output is the same chain of steps."""
+    w, b, x = _case(40, 200, 256, seed=5)
+    codes, scales = ops.quantize_panels(w, 4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = gemm.quant_gemm(x, codes, scales, 200, 4, b)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(gemm.quant_gemm(x, codes, scales, 200, 4, b), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_takes_the_gemm_from_its_row_count(ops: Any, gemm: Any, bits: int) -> None:
+    linear = nn.Linear(96, 70).requires_grad_(False)
+    layer = QuantizedLinear(linear, bits, ops)
+    rows = layer.rows_fn()
+    for m in (1, GEMM_MIN_ROWS - 1, GEMM_MIN_ROWS, 3 * GEMM_MIN_ROWS + 1):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+        want = ops.quant_panel_linear(x, layer.codes, layer.scales, 70, bits, layer.bias)
+        assert torch.equal(rows(x), want) and torch.equal(layer(x.view(1, m, 96)), want.view(1, m, 70))
+
+
+_FORCED_AVX2 = """
+import torch
+from vlm_engine.models.fused_ops import load_fused_ops
+from vlm_engine.models.int8_gemm import load_int8_gemm
+ops, gemm = load_fused_ops(), load_int8_gemm()
+assert gemm.impls() == [3], gemm.impls()
+g = torch.Generator().manual_seed(0)
+for bits in (8, 4):
+    for m, n, k in ((1, 37, 64), (19, 100, 96), (64, 130, 576)):
+        w, b, x = torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g), torch.randn(m, k, generator=g)
+        codes, scales = ops.quantize_panels(w, bits)
+        assert torch.equal(gemm.quant_gemm(x, codes, scales, n, bits, b), ops.quant_panel_linear(x, codes, scales, n, bits, b))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_avx2_build_equals_the_decode_kernel(gemm: Any) -> None:
+    """VLM_ENGINE_ISA=avx2 builds both extensions for x86-64-v3 (what Zen 3 runs): one path, the same numbers."""
+    env = {**os.environ, "VLM_ENGINE_ISA": "avx2", "OMP_NUM_THREADS": "2"}
+    done = subprocess.run([sys.executable, "-c", _FORCED_AVX2], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

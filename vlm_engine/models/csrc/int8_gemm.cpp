@@ -1,0 +1,441 @@
+// Prefill-sized products of the weight-only int8 / int4 panels (fused_ops.cpp's quantize_panels:
+// Q8_0 / Q4_1 codes in groups of 32 inputs, fp16 scales, panels of 16 output columns) on the CPU's
+// int8 dot products: y[M, N] = x[M, K] W^T (+ bias), fp32 in and out.
+//
+// Why a second kernel: fused_ops' quant_panel_linear is built for decode (1-2 rows a tile, 8
+// columns a 256-bit vector): at M in the hundreds every weight vector it loads feeds 2 rows, and
+// each int8 dot product costs a sign fix-up of x, so prefill ran below the bf16 linears and the int8
+// model lost to the bf16 one at batch 8 (2.10 vs 3.17 requests/s, the bench Qwen2-VL). Here a tile
+// is MR rows x NV vectors of columns with the group's integer sums in registers; a weight vector
+// loaded once feeds MR rows, and a row's 4 inputs (one broadcast) feed NV vectors.
+//
+// The numbers are those of quant_panel_linear, bit for bit: x is quantized per row and group of 32
+// exactly as there (qx = round-half-even(x / dx), dx = max|x| / 127, the fp32 sum of x in the same
+// order), every group's integer sum is exact, and the fp32 steps per output are the same ones in the
+// same order (acc = fma(d * dx, float(sum), acc); int4: acc = fma(m, sum x, acc); y = acc + bias).
+//
+// The integer sums: vpdpbusd multiplies u8 by s8. int4 codes are 0..15 (u8) and meet qx (s8)
+// directly. int8 codes are signed: the VNNI paths feed them as u8 = q + 128 (one xor per weight
+// vector, shared by MR rows) and start each group's sum at -128 * sum(qx) (computed once per row and
+// group), where fused_ops moves q's sign onto x for every row. AVX2 without VNNI (vpmaddubsw, whose
+// int16 pair sums saturate: 2 * 255 * 127 does not fit) keeps that sign fix-up, |q| <= 128.
+//
+// Paths (`impl`): 1 AVX-512 VNNI (16 columns a vector, a panel's 64-byte block is one vector),
+// 2 256-bit VNNI (AVX-VNNI or AVX-512 VL), 3 AVX2 vpmaddubsw (Zen 3, or VLM_ENGINE_ISA=avx2);
+// 0 picks the first this build has. A path the build lacks falls back to the next one down.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define VLM_INT8_AVX2 1
+#else
+#define VLM_INT8_AVX2 0
+#endif
+#if VLM_INT8_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define VLM_INT8_ZMM 1
+#else
+#define VLM_INT8_ZMM 0
+#endif
+#if VLM_INT8_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define VLM_INT8_YMM_VNNI 1
+#else
+#define VLM_INT8_YMM_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 16;       // output columns per panel
+constexpr int64_t kGroup = 32;       // inputs per scale
+constexpr int64_t kBlockBytes = 64;  // one panel block: 16 columns x 4 int8 inputs, or x 8 int4 inputs
+// A thread sweeps its strips of columns over a block of x of kRowChunk rows x up to kChunkBytes / kRowChunk
+// inputs, which stays in its L2 (1 MiB on Zen 4 / 5) while the strips' weights stream past it.
+constexpr int64_t kRowChunk = 128, kChunkBytes = 384 << 10;
+
+#if VLM_INT8_AVX2
+
+// x per row and group of 32, as fused_ops' quantize_rows: codes [m][k]; scale, exact sum of x and
+// -128 * sum of the codes [m][k/32].
+struct Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  std::vector<int32_t> offset;
+};
+
+float lanes_max(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// The order of fused_ops' sum: lanes j and j+4, then those pairs' j and j+2, then the last two.
+float lanes_sum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+void quantize_group(const float* x, int8_t* q, float* d, float* sum, int32_t* offset) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 part = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * i);
+    part = _mm256_add_ps(part, v);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+  }
+  const float scale = lanes_max(amax) / 127.f, inverse = scale ? 1.f / scale : 0.f;
+  int32_t codes_sum = 0;
+  for (int i = 0; i < 4; ++i) {
+    // cvtps rounds half to even (the default rounding mode); |x / scale| <= 127 needs no clamp.
+    alignas(32) int32_t r[8];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(r),
+                       _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse))));
+    for (int j = 0; j < 8; ++j) {
+      q[8 * i + j] = static_cast<int8_t>(std::clamp(r[j], -128, 127));
+      codes_sum += q[8 * i + j];
+    }
+  }
+  *d = scale;
+  *sum = lanes_sum(part);
+  *offset = -128 * codes_sum;
+}
+
+Rows quantize_rows(const float* x, int64_t xs, int64_t m, int64_t k) {
+  const int64_t groups = k / kGroup;
+  const auto cells = static_cast<size_t>(m * groups);
+  Rows out{std::vector<int8_t>(static_cast<size_t>(m * k)), std::vector<float>(cells), std::vector<float>(cells),
+           std::vector<int32_t>(cells)};
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = r * groups + g;
+        quantize_group(x + r * xs + g * kGroup, out.q.data() + r * k + g * kGroup, &out.d[at], &out.sum[at],
+                       &out.offset[at]);
+      }
+  });
+  return out;
+}
+
+inline int32_t load4(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, 4);
+  return v;
+}
+
+#if VLM_INT8_ZMM
+struct Zmm {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int kCols = 16, kMR = 4, kNV = 2;
+  static constexpr bool kBiased = true;  // int8 codes enter the dot product as q + 128
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I low4(I w) { return _mm512_and_si512(w, _mm512_set1_epi8(0x0F)); }
+  static I high4(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
+  static I unsigned8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
+  static I dot8(I acc, I u, I, I x) { return dot(acc, u, x); }
+  static F cvt(I s) { return _mm512_cvtepi32_ps(s); }
+  static F halves(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+// 256-bit vectors, 8 columns (half a panel); Vnni: vpdpbusd, else vpmaddubsw + vpmaddwd.
+template <bool Vnni>
+struct Ymm {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int kCols = 8, kMR = 4, kNV = 2;
+  static constexpr bool kBiased = Vnni;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I dot(I acc, I u, I s) {
+    if constexpr (Vnni) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+      return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+    }
+    // The int16 pair sums stay below 32767 with u <= 128 and |s| <= 127.
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I low4(I w) { return _mm256_and_si256(w, _mm256_set1_epi8(0x0F)); }
+  static I high4(I w) { return _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(0x0F)); }
+  static I unsigned8(I w) {
+    return Vnni ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : _mm256_abs_epi8(w);
+  }
+  static I dot8(I acc, I u, I w, I x) { return Vnni ? dot(acc, u, x) : dot(acc, u, _mm256_sign_epi8(x, w)); }
+  static F cvt(I s) { return _mm256_cvtepi32_ps(s); }
+  static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// One product's operands: x's rows, the weights, where the output goes.
+struct Problem {
+  const Rows* x;
+  int64_t k, n, groups, panel_bytes, panel_scales;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  const float* bias;
+  float* y;
+};
+
+// MR rows from row0 x NV vectors from column col0 (a vector never crosses a panel), groups g0..g1-1.
+// The first block of groups starts from 0, the others from the sums y holds; the last adds the bias.
+template <class V, int Bits, int MR, int NV>
+void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) {
+  using I = typename V::I;
+  using F = typename V::F;
+  const int64_t k = p.k, groups = p.groups;
+  const uint8_t* cp[NV];
+  const uint16_t* sp[NV];
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = col0 + v * V::kCols;
+    cp[v] = p.codes + (c / kPanel) * p.panel_bytes + (c % kPanel) * 4;
+    sp[v] = p.scales + (c / kPanel) * p.panel_scales + c % kPanel;
+  }
+  const int8_t* xq = p.x->q.data() + row0 * k;
+  const float* dx = p.x->d.data() + row0 * groups;
+  const float* xsum = p.x->sum.data() + row0 * groups;
+  const int32_t* offset = p.x->offset.data() + row0 * groups;
+  const bool first = g0 == 0, last = g1 == groups;
+  int64_t cols[NV];
+  F acc[MR][NV];
+  for (int v = 0; v < NV; ++v) {
+    cols[v] = std::clamp<int64_t>(p.n - col0 - v * V::kCols, 0, V::kCols);
+    for (int r = 0; r < MR; ++r) {
+      const float* at = p.y + (row0 + r) * p.n + col0 + v * V::kCols;
+      if (first || cols[v] == 0) {
+        acc[r][v] = V::zerof();
+      } else if (cols[v] == V::kCols) {
+        acc[r][v] = V::loadf(at);
+      } else {
+        alignas(64) float t[16] = {};
+        std::copy(at, at + cols[v], t);
+        acc[r][v] = V::loadf(t);
+      }
+    }
+  }
+  for (int64_t g = g0; g < g1; ++g) {
+    I s[MR][NV];
+    for (int r = 0; r < MR; ++r) {
+      const I start = (Bits == 8 && V::kBiased) ? V::set1(offset[r * groups + g]) : V::zero();
+      for (int v = 0; v < NV; ++v) s[r][v] = start;
+    }
+    const int8_t* xg = xq + g * kGroup;
+    if constexpr (Bits == 8) {
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) {
+        const int64_t at = (g * 8 + b) * kBlockBytes;
+        I w[NV], u[NV];
+        for (int v = 0; v < NV; ++v) {
+          w[v] = V::load(cp[v] + at);
+          u[v] = V::unsigned8(w[v]);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const I xr = V::set1(load4(xg + r * k + 4 * b));
+          for (int v = 0; v < NV; ++v) s[r][v] = V::dot8(s[r][v], u[v], w[v], xr);
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int b = 0; b < 4; ++b) {
+        const int64_t at = (g * 4 + b) * kBlockBytes;
+        I lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) {
+          const I w = V::load(cp[v] + at);
+          lo[v] = V::low4(w);
+          hi[v] = V::high4(w);
+        }
+        for (int r = 0; r < MR; ++r) {
+          const I xa = V::set1(load4(xg + r * k + 8 * b)), xb = V::set1(load4(xg + r * k + 8 * b + 4));
+          for (int v = 0; v < NV; ++v) s[r][v] = V::dot(V::dot(s[r][v], lo[v], xa), hi[v], xb);
+        }
+      }
+    }
+    F d[NV];
+    for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + g * 2 * kPanel);
+    for (int r = 0; r < MR; ++r) {
+      const F dxr = V::set1f(dx[r * groups + g]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(V::mul(d[v], dxr), V::cvt(s[r][v]), acc[r][v]);
+    }
+    if constexpr (Bits == 4) {
+      for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + g * 2 * kPanel + kPanel);  // the minima
+      for (int r = 0; r < MR; ++r) {
+        const F sr = V::set1f(xsum[r * groups + g]);
+        for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(d[v], sr, acc[r][v]);
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = col0 + v * V::kCols;
+    const float* bias = last && p.bias ? p.bias + c : nullptr;
+    for (int r = 0; r < MR; ++r) {
+      float* out = p.y + (row0 + r) * p.n + c;
+      if (cols[v] == V::kCols) {
+        V::storef(out, last ? V::add(acc[r][v], bias ? V::loadf(bias) : V::zerof()) : acc[r][v]);
+      } else {
+        alignas(64) float t[16];
+        V::storef(t, acc[r][v]);
+        for (int64_t j = 0; j < cols[v]; ++j) out[j] = last ? t[j] + (bias ? bias[j] : 0.f) : t[j];
+      }
+    }
+  }
+}
+
+// tile<V, Bits, mr, nv> for 1 <= mr <= MR, 1 <= nv <= NV.
+template <class V, int Bits, int MR, int NV>
+void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1);
+  }
+  if constexpr (NV > 1) {
+    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1);
+  }
+  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1);
+}
+
+// Threads take strips of NV vectors of columns; each sweeps its strips over one block of x at a time.
+template <class V, int Bits>
+void run(const Problem& p, int64_t m) {
+  constexpr int64_t strip_cols = V::kNV * V::kCols;
+  const int64_t strips = (p.n + strip_cols - 1) / strip_cols;
+  const int64_t rows = std::min(m, kRowChunk);
+  const int64_t block_groups = std::max<int64_t>(1, kChunkBytes / rows / kGroup);
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < m; r0 += rows) {
+      const int64_t r1 = std::min(m, r0 + rows);
+      for (int64_t g0 = 0; g0 < p.groups; g0 += block_groups) {
+        const int64_t g1 = std::min(p.groups, g0 + block_groups);
+        for (int64_t s = begin; s < end; ++s) {
+          const int64_t col0 = s * strip_cols;
+          const int nv = static_cast<int>(std::min<int64_t>(V::kNV, (p.n - col0 + V::kCols - 1) / V::kCols));
+          for (int64_t r = r0; r < r1; r += V::kMR) {
+            const int mr = static_cast<int>(std::min<int64_t>(V::kMR, r1 - r));
+            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <class V>
+void run_bits(const Problem& p, int64_t m, int64_t bits) {
+  if (bits == 8) {
+    run<V, 8>(p, m);
+  } else {
+    run<V, 4>(p, m);
+  }
+}
+#endif  // VLM_INT8_AVX2
+
+enum Impl : int64_t { kAuto = 0, kZmmVnni = 1, kYmmVnni = 2, kYmmAvx2 = 3 };
+
+std::vector<int64_t> impls() {
+  std::vector<int64_t> out;
+  if (VLM_INT8_ZMM) out.push_back(kZmmVnni);
+  if (VLM_INT8_YMM_VNNI) out.push_back(kYmmVnni);
+  if (VLM_INT8_AVX2) out.push_back(kYmmAvx2);
+  return out;
+}
+
+// The path `impl` asks for, or the next one down that this build has.
+int64_t resolve(int64_t impl) {
+  TORCH_CHECK(impl >= kAuto && impl <= kYmmAvx2, "impl must be 0..3, got ", impl);
+  for (int64_t have : impls())
+    if (have >= impl) return have;
+  return -1;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits,
+                      const std::optional<at::Tensor>& bias, int64_t impl) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU fp32 [M, K] tensor with a contiguous last dim");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
+  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), groups = k / kGroup;
+  TORCH_CHECK(codes.size(1) * (bits == 8 ? 4 : 8) == k, "x has ", k, " features, the weight ", codes.size(1) * (bits == 8 ? 4 : 8));
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * groups * 2 * kPanel, "scales do not match the codes");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t path = resolve(impl);
+  TORCH_CHECK(path > 0, "this build of the int8 GEMM has no AVX2 + FMA + F16C path");
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+#if VLM_INT8_AVX2
+  const Rows rows = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
+  const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, groups * 2 * kPanel,
+                  static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
+                  bp, y.data_ptr<float>()};
+  switch (path) {
+#if VLM_INT8_ZMM
+    case kZmmVnni:
+      run_bits<Zmm>(p, m, bits);
+      break;
+#endif
+#if VLM_INT8_YMM_VNNI
+    case kYmmVnni:
+      run_bits<Ymm<true>>(p, m, bits);
+      break;
+#endif
+    default:
+      run_bits<Ymm<false>>(p, m, bits);
+  }
+#endif
+  return y;
+}
+
+const char* impl_name(int64_t impl) {
+  switch (impl) {
+    case kZmmVnni:
+      return "avx512-vnni";
+    case kYmmVnni:
+      return "avx-vnni-256";
+    case kYmmAvx2:
+      return "avx2-maddubs";
+    default:
+      return "none";
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vlm_engine int8 / int4 GEMM on the int8 dot products (AVX-512 VNNI, AVX-VNNI, AVX2)";
+  m.def("quant_gemm", &quant_gemm, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bits"),
+        py::arg("bias") = py::none(), py::arg("impl") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("impls", &impls, "the paths this build has (1 AVX-512 VNNI, 2 256-bit VNNI, 3 AVX2)");
+  m.def("impl_name", [](int64_t impl) { return std::string(impl_name(resolve(impl))); }, py::arg("impl") = 0,
+        "the path `impl` runs in this build");
+}
