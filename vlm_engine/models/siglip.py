@@ -35,8 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlm_engine.attention.flash import cu_seqlens
 from vlm_engine.models.layers import MergedLinear
-from vlm_engine.models.vision_blocks import activation
+from vlm_engine.models.vision_blocks import activation, tower_flash_attention
 
 PositionScheme = Literal["fixed", "bucketed"]
 
@@ -104,7 +105,8 @@ class SiglipEmbeddings(nn.Module):
 
 
 class SiglipAttention(nn.Module):
-    """Bidirectional multi-head attention with biases, one SDPA call over the batch."""
+    """Bidirectional multi-head attention with biases: one SDPA call over the batch, or in bf16 on the
+    CPU one call of our flash-attention kernel (vision_blocks.tower_flash_attention)."""
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
@@ -117,6 +119,16 @@ class SiglipAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         b, n, d = x.shape
+        if (flash := tower_flash_attention(x)) is not None:
+            # bf16 on the CPU: our flash kernel, each image a segment, its padded patches left out as keys
+            q, k, v = self.qkv_proj(x).view(b * n, 3, self.num_heads, self.head_dim).unbind(1)
+            bounds = keys = cu_seqlens([n] * b)
+            if key_mask is not None:
+                valid = key_mask.reshape(b, n)
+                kept = valid.reshape(-1).nonzero().squeeze(1)
+                k, v, keys = k.index_select(0, kept), v.index_select(0, kept), cu_seqlens(valid.sum(1).tolist())
+            out = flash.flash_attention(q, k, v, bounds, keys, self.scale)
+            return self.out_proj(out.view(b, n, d))
         q, k, v = self.qkv_proj(x).view(b, n, 3, self.num_heads, self.head_dim).transpose(1, 3).unbind(2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask, scale=self.scale)  # [B, H, N, hd]
         return self.out_proj(out.transpose(1, 2).reshape(b, n, d))

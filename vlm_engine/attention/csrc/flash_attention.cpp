@@ -1,0 +1,859 @@
+// Flash attention for CPU over packed variable-length sequences: block-diagonal segments (several
+// images, windows or prompts in one call), causal (bottom-right aligned), sliding window, GQA;
+// fp32, and bf16 with fp32 accumulation. The contract is flash_attention_reference() in
+// vlm_engine/attention/flash.py:
+//
+//   q [Nq, Hq, D], k / v [Nk, Hkv, D] (token-major, head_dim contiguous, any other strides);
+//   segment s holds queries [cu_q[s], cu_q[s+1]) and keys [cu_k[s], cu_k[s+1]). Local query i of a
+//   segment with Lq queries and Lk keys sits at position p = i + Lk - Lq and sees keys
+//   j < p + 1 (causal) and j > p - window (window > 0, causal only); a query that sees no key
+//   gets zeros. out[i, h] = softmax_j(scale * q[i, h] . k[j, h / G]) v[j, h / G].
+//
+// Algorithm: K and V are first packed once per call (O(N D), parallel) into the layouts the
+// micro-kernels read as GEMM operands: keys in groups of 16, K transposed ([D/2][16] pairs of bf16
+// for vdpbf16ps, or [D][16] fp32), V as [key pairs][D] pairs (bf16) or [keys][D] (fp32), head_dim
+// padded to a multiple of 16 with zeros, each segment's keys padded to a multiple of 16 with zeros.
+// A work item is (segment, query head, block of up to kBQ queries). It walks its visible keys in
+// blocks of kBK: S = Q K^T in panels of kMR query rows x up to 64 keys held in registers; an online
+// softmax per row in the log2 domain (scores scaled by scale * log2(e), exp2 by a polynomial; the
+// accumulator is rescaled lazily when the PV kernel loads it); O += P V in panels of kMR rows x up
+// to 4 vectors of head_dim. bf16 on avx512_bf16: Q K^T and P V both on vdpbf16ps (P rounded to
+// bf16 as flash-attention implementations do, row sums in fp32), the accumulators fp32. Elsewhere
+// bf16 is widened to fp32 when packed and runs the fp32 FMA kernels (AVX-512 or AVX2). Items are
+// scheduled longest first from an atomic counter on the ATen intra-op thread pool.
+//
+// Impl (for tests): 0 = best, 1 = portable C++ loops, 2 = AVX-512 FMA without vdpbf16ps, 3 = AVX2
+// + FMA; an impl this build lacks falls back to the next one down. No AMX tile path: the machines
+// this was written on have none.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define FA_AVX512 1
+#else
+#define FA_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FA_AVX2 1
+#else
+#define FA_AVX2 0
+#endif
+#if FA_AVX512 && defined(__AVX512BF16__)
+#define FA_DPBF16 1
+#else
+#define FA_DPBF16 0
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int kGroup = 16;  // keys per packed group
+constexpr int kBK = 64;     // keys per block (up to 4 groups)
+constexpr int kBQ = 96;     // query rows per work item
+constexpr int kMR = 6;      // query rows per register panel
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512 = 2, kAvx2 = 3 };
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Problem {
+  const char* q;
+  const char* k;
+  const char* v;
+  char* out;
+  int64_t q_st, q_sh, k_st, k_sh, v_st, v_sh, o_st, o_sh;  // strides in elements: token, head
+  const int32_t* cu_q;
+  const int32_t* cu_k;
+  const int32_t* gstart;  // [nseg + 1] first packed key group of each segment
+  int64_t Hkv, G, D, Dp;  // Dp: head_dim padded to 16
+  int64_t window;
+  bool causal;
+  float c;  // scale * log2(e)
+  const void* kp;  // packed K: per KV head kp_head elements, per group kp_group
+  const void* vp;
+  int64_t kp_head, kp_group, vp_head, vp_group;
+};
+
+// Query rows [i0, i1) of segment s, query head h.
+struct Item {
+  int32_t s, h, i0, i1;
+  int64_t cost;
+};
+
+// The keys [lo, hi) of its segment local query i sees (see the contract above).
+inline void row_bounds(const Problem& P, int64_t s, int64_t i, int32_t* lo, int32_t* hi) {
+  const int64_t lq = P.cu_q[s + 1] - P.cu_q[s], lk = P.cu_k[s + 1] - P.cu_k[s];
+  const int64_t pos = i + lk - lq;
+  int64_t h = P.causal ? std::min<int64_t>(pos + 1, lk) : lk;
+  int64_t l = P.window > 0 ? std::max<int64_t>(pos - P.window + 1, 0) : 0;
+  h = std::max<int64_t>(h, 0);
+  *lo = static_cast<int32_t>(std::min(l, h));
+  *hi = static_cast<int32_t>(h);
+}
+
+// Per-thread working memory: thread_local and only growing (ATen's workers are persistent).
+struct Scratch {
+  float* q;  // kBQ * D: the item's queries (fp32, or bf16 pairs for vdpbf16ps)
+  float* s;  // kBQ * kBK: raw scores of one key block
+  float* p;  // kBQ * kBK: probabilities (fp32, or bf16 in the first half of each row)
+  float* o;  // kBQ * Dp: unnormalised output
+  float* m;  // kBQ: running max (scaled, log2 domain)
+  float* l;  // kBQ: running sum
+  float* alpha;  // kBQ: this block's rescale of the row's accumulator
+  int32_t* lo;
+  int32_t* hi;
+
+  Scratch(int64_t D, int64_t Dp) {
+    thread_local std::vector<float> buf;
+    thread_local std::vector<int32_t> ibuf;
+    const size_t n = kBQ * D + 2 * kBQ * kBK + kBQ * Dp + 3 * kBQ + 64;
+    if (buf.size() < n) buf.resize(n);
+    if (ibuf.size() < 2 * kBQ) ibuf.resize(2 * kBQ);
+    float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    s = base;  // 64-byte aligned blocks first
+    p = s + kBQ * kBK;
+    o = p + kBQ * kBK;
+    q = o + kBQ * Dp;
+    m = q + kBQ * D;
+    l = m + kBQ;
+    alpha = l + kBQ;
+    lo = ibuf.data();
+    hi = lo + kBQ;
+  }
+};
+
+// Calls f(std::integral_constant<int, n>) for a runtime 1 <= n <= N (instantiates all of them).
+template <int N, class F>
+inline void with_n(int n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_n<N - 1>(n, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, N>{});
+}
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(bf16 x) { return static_cast<float>(x); }
+inline void store_out(float x, float* dst) { *dst = x; }
+inline void store_out(float x, bf16* dst) { *dst = bf16(x); }
+
+template <typename T>
+inline const T* at_row(const char* base, int64_t st, int64_t sh, int64_t t, int64_t h) {
+  return reinterpret_cast<const T*>(base) + t * st + h * sh;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing (once per call). Group g of KV head kh covers keys 16 * (g - gstart[s]) + [0, 16) of
+// segment s; keys past the segment and dims past D are zeros (their probabilities are zero, and
+// zero times a zero pad is never NaN).
+
+#if FA_AVX512
+// r[i] <- column i of the 16 x 16 matrix of 32-bit words whose row j is r[j].
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Now r[4i + c] holds, in 128-bit lane L, the words (row 4i..4i+3, column 4L + c).
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+// vdpbf16ps operands: K as [D/2][16] 32-bit (d, d+1) pairs, V as [8 key pairs][Dp] 32-bit pairs.
+inline void pack_group_pairs(const Problem& P, int64_t kh, int64_t s, int64_t g, uint32_t* kp, uint32_t* vp) {
+  const int64_t lk = P.cu_k[s + 1] - P.cu_k[s];
+  const int64_t j0 = (g - P.gstart[s]) * kGroup;
+  const int64_t D = P.D, Dp = P.Dp, np = D / 2;
+  const uint32_t* krow[kGroup];
+  const uint16_t* vrow[kGroup];
+  for (int jj = 0; jj < kGroup; ++jj) {
+    const int64_t t = P.cu_k[s] + std::min<int64_t>(j0 + jj, lk - 1);
+    krow[jj] = j0 + jj < lk ? reinterpret_cast<const uint32_t*>(at_row<bf16>(P.k, P.k_st, P.k_sh, t, kh)) : nullptr;
+    vrow[jj] = j0 + jj < lk ? reinterpret_cast<const uint16_t*>(at_row<bf16>(P.v, P.v_st, P.v_sh, t, kh)) : nullptr;
+  }
+#if FA_AVX512
+  // K: 16 x 16 transposes of 32-bit pairs; V: two rows' bf16 interleaved by vpermt2w. Scalar loops
+  // here cost about as much as the attention itself on 64-token windows.
+  for (int64_t p0 = 0; p0 < np; p0 += 16) {
+    const __mmask16 mk = np - p0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (np - p0)) - 1u);
+    __m512i r[16];
+    for (int jj = 0; jj < kGroup; ++jj)
+      r[jj] = krow[jj] ? _mm512_maskz_loadu_epi32(mk, krow[jj] + p0) : _mm512_setzero_si512();
+    transpose16x16(r);
+    for (int64_t i = 0; i < std::min<int64_t>(16, np - p0); ++i)
+      _mm512_storeu_si512(kp + (p0 + i) * kGroup, r[i]);
+  }
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  for (int pr = 0; pr < kGroup / 2; ++pr) {
+    const uint16_t* a = vrow[2 * pr];
+    const uint16_t* b = vrow[2 * pr + 1];
+    uint32_t* dst = vp + pr * Dp;
+    for (int64_t d0 = 0; d0 < Dp; d0 += 32) {
+      const int64_t left = D - d0;
+      const __mmask32 mv = left >= 32 ? __mmask32(0xFFFFFFFFu) : left <= 0 ? __mmask32(0) : __mmask32((1u << left) - 1u);
+      const __m512i va = a ? _mm512_maskz_loadu_epi16(mv, a + d0) : _mm512_setzero_si512();
+      const __m512i vb = b ? _mm512_maskz_loadu_epi16(mv, b + d0) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d0, _mm512_permutex2var_epi16(va, lo_idx, vb));
+      if (d0 + 16 < Dp) _mm512_storeu_si512(dst + d0 + 16, _mm512_permutex2var_epi16(va, hi_idx, vb));
+    }
+  }
+#else
+  for (int64_t p = 0; p < np; ++p)
+    for (int jj = 0; jj < kGroup; ++jj) kp[p * kGroup + jj] = krow[jj] ? krow[jj][p] : 0u;
+  for (int pr = 0; pr < kGroup / 2; ++pr) {
+    const uint16_t* a = vrow[2 * pr];
+    const uint16_t* b = vrow[2 * pr + 1];
+    uint32_t* dst = vp + pr * Dp;
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = (a ? uint32_t(a[d]) : 0u) | ((b ? uint32_t(b[d]) : 0u) << 16);
+    for (int64_t d = D; d < Dp; ++d) dst[d] = 0u;
+  }
+#endif
+}
+
+// fp32 FMA operands: K as [D][16], V as [16][Dp] (bf16 widened here).
+template <typename T>
+inline void pack_group_f32(const Problem& P, int64_t kh, int64_t s, int64_t g, float* kp, float* vp) {
+  const int64_t lk = P.cu_k[s + 1] - P.cu_k[s];
+  const int64_t j0 = (g - P.gstart[s]) * kGroup;
+  const int64_t D = P.D, Dp = P.Dp;
+  for (int jj = 0; jj < kGroup; ++jj) {
+    float* vd = vp + jj * Dp;
+    if (j0 + jj < lk) {
+      const int64_t t = P.cu_k[s] + j0 + jj;
+      const T* kr = at_row<T>(P.k, P.k_st, P.k_sh, t, kh);
+      const T* vr = at_row<T>(P.v, P.v_st, P.v_sh, t, kh);
+      for (int64_t d = 0; d < D; ++d) kp[d * kGroup + jj] = to_f32(kr[d]);
+      for (int64_t d = 0; d < D; ++d) vd[d] = to_f32(vr[d]);
+      for (int64_t d = D; d < Dp; ++d) vd[d] = 0.f;
+    } else {
+      for (int64_t d = 0; d < D; ++d) kp[d * kGroup + jj] = 0.f;
+      for (int64_t d = 0; d < Dp; ++d) vd[d] = 0.f;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vector traits shared by the fp32 kernels and the softmax.
+
+#if FA_AVX512
+struct V16 {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static float hmax(R x) { return _mm512_reduce_max_ps(x); }
+  static float hsum(R x) { return _mm512_reduce_add_ps(x); }
+  // 2^x, exactly 0 below -126 (and for -inf). Max rel. error ~1e-7 (degree-7 Taylor on [-0.5, 0.5]).
+  static R exp2(R x) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
+    const R xc = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const R n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const R f = _mm512_sub_ps(xc, n);
+    R p = _mm512_set1_ps(1.525273380405984e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
+  }
+};
+#endif
+
+#if FA_AVX2
+struct V8 {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static float hmax(R x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+  static float hsum(R x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  }
+  // As V16::exp2; 2^n is built from the exponent bits (n >= -126 keeps it a normal float).
+  static R exp2(R x) {
+    const R live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
+    const R xc = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+    const R n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const R f = _mm256_sub_ps(xc, n);
+    R p = _mm256_set1_ps(1.525273380405984e-05f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+  }
+};
+#endif
+
+// One row's online-softmax step over a key block of n (a multiple of 16) raw scores, the positions
+// the row does not see already -inf. Writes the block's probabilities through Out::store (fp32 or
+// bf16), the accumulator's rescale alpha, and updates the running max m and sum l.
+template <class V, class Out>
+inline void softmax_row(const float* s, int n, float c, float* m, float* l, float* alpha, float* prow) {
+  using R = typename V::R;
+  R vmax = V::set1(kNegInf);
+  for (int j = 0; j < n; j += V::W) vmax = V::max(vmax, V::load(s + j));
+  const float tmax = V::hmax(vmax);
+  if (tmax == kNegInf) {  // nothing visible in this block
+    *alpha = 1.f;
+    for (int j = 0; j < n; j += V::W) Out::store(prow, j, V::zero());
+    return;
+  }
+  const float mold = *m;
+  const float mnew = std::max(mold, tmax * c);
+  const float a = mold == kNegInf ? 0.f : std::exp2(mold - mnew);
+  const R vc = V::set1(c), vm = V::set1(mnew);
+  R vsum = V::zero();
+  for (int j = 0; j < n; j += V::W) {
+    const R p = V::exp2(V::fmsub(V::load(s + j), vc, vm));
+    vsum = V::add(vsum, p);
+    Out::store(prow, j, p);
+  }
+  *alpha = a;
+  *m = mnew;
+  *l = *l * a + V::hsum(vsum);
+}
+
+template <class V>
+struct OutF32 {
+  static void store(float* row, int j, typename V::R p) { V::store(row + j, p); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Per-item driver shared by all implementations. Arch provides the layout (kPairs), the query
+// load, the score and P.V panels and the softmax of one row.
+
+template <class Arch, typename T>
+void run_item(const Problem& P, const Item& it, Scratch& S) {
+  const int64_t s = it.s, h = it.h, kh = h / P.G;
+  const int rows = it.i1 - it.i0;
+  const int64_t D = P.D, Dp = P.Dp;
+  const int64_t q0 = P.cu_q[s] + it.i0;
+  for (int r = 0; r < rows; ++r) row_bounds(P, s, it.i0 + r, S.lo + r, S.hi + r);
+  Arch::load_q(P, q0, h, rows, S.q);
+  for (int r = 0; r < rows; ++r) {
+    S.m[r] = kNegInf;
+    S.l[r] = 0.f;
+  }
+  std::memset(S.o, 0, sizeof(float) * rows * Dp);
+  // lo and hi never decrease with the row: the item's keys are [lo[0], hi[rows - 1]).
+  const int32_t jlo = S.lo[0] & ~(kGroup - 1), jhi = S.hi[rows - 1];
+  const int64_t g_seg = P.gstart[s];
+  for (int32_t j0 = jlo; j0 < jhi; j0 += kBK) {
+    const int n = static_cast<int>(round_up(std::min<int32_t>(kBK, jhi - j0), kGroup));
+    const int64_t g = g_seg + j0 / kGroup;
+    Arch::scores(P, kh, g, n / kGroup, rows, S);
+    for (int r = 0; r < rows; ++r) {
+      float* sr = S.s + r * kBK;
+      const int a = std::max(S.lo[r] - j0, 0), b = std::min(S.hi[r] - j0, n);
+      if (a > 0 || b < n) {  // a boundary block for this row: hide what it does not see
+        for (int j = 0; j < std::min(a, n); ++j) sr[j] = kNegInf;
+        for (int j = std::max(b, 0); j < n; ++j) sr[j] = kNegInf;
+      }
+      Arch::softmax(sr, n, P.c, S.m + r, S.l + r, S.alpha + r, S.p + r * kBK);
+    }
+    Arch::pv(P, kh, g, n / kGroup, rows, S);
+  }
+  for (int r = 0; r < rows; ++r) {
+    T* o = reinterpret_cast<T*>(P.out) + (q0 + r) * P.o_st + h * P.o_sh;
+    const float inv = S.l[r] > 0.f ? 1.f / S.l[r] : 0.f;
+    const float* acc = S.o + r * Dp;
+    for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, o + d);
+  }
+}
+
+// Query rows as fp32 [rows][D].
+template <typename T>
+inline void load_q_f32(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const T* src = at_row<T>(P.q, P.q_st, P.q_sh, q0 + r, h);
+    for (int64_t d = 0; d < P.D; ++d) dst[r * P.D + d] = to_f32(src[d]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Portable implementation: the same blocking in plain loops (gcc vectorises the inner ones).
+template <typename T>
+struct GenericArch {
+  static constexpr bool kPairs = false;
+  static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
+    load_q_f32<T>(P, q0, h, rows, dst);
+  }
+  static void scores(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const float* kp = static_cast<const float*>(P.kp) + kh * P.kp_head + g * P.kp_group;
+    for (int r = 0; r < rows; ++r) {
+      const float* q = S.q + r * P.D;
+      for (int gi = 0; gi < ng; ++gi) {
+        float acc[kGroup] = {};
+        const float* kg = kp + gi * P.kp_group;
+        for (int64_t d = 0; d < P.D; ++d)
+          for (int jj = 0; jj < kGroup; ++jj) acc[jj] += q[d] * kg[d * kGroup + jj];
+        std::memcpy(S.s + r * kBK + gi * kGroup, acc, sizeof(acc));
+      }
+    }
+  }
+  static void softmax(const float* s, int n, float c, float* m, float* l, float* alpha, float* prow) {
+    float tmax = kNegInf;
+    for (int j = 0; j < n; ++j) tmax = std::max(tmax, s[j]);
+    if (tmax == kNegInf) {
+      *alpha = 1.f;
+      std::fill(prow, prow + n, 0.f);
+      return;
+    }
+    const float mnew = std::max(*m, tmax * c);
+    const float a = *m == kNegInf ? 0.f : std::exp2(*m - mnew);
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) {
+      prow[j] = s[j] == kNegInf ? 0.f : std::exp2(s[j] * c - mnew);
+      sum += prow[j];
+    }
+    *alpha = a;
+    *m = mnew;
+    *l = *l * a + sum;
+  }
+  static void pv(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const float* vp = static_cast<const float*>(P.vp) + kh * P.vp_head + g * P.vp_group;
+    const int64_t Dp = P.Dp;
+    for (int r = 0; r < rows; ++r) {
+      float* o = S.o + r * Dp;
+      const float a = S.alpha[r];
+      for (int64_t d = 0; d < Dp; ++d) o[d] *= a;
+      const float* pr = S.p + r * kBK;
+      for (int j = 0; j < ng * kGroup; ++j) {
+        const float p = pr[j];
+        if (p == 0.f) continue;
+        const float* vr = vp + j * Dp;
+        for (int64_t d = 0; d < Dp; ++d) o[d] += p * vr[d];
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// fp32 FMA implementation over a vector type (AVX-512: 16 lanes, AVX2: 8 lanes).
+//   scores: kMR rows x NV vectors of keys (AVX-512: up to 4 = a 64-key block; AVX2: 2 = one group).
+//   pv:     kMR rows x DV vectors of head_dim (AVX-512: up to 4, AVX2: up to 2).
+
+template <class V, int MR, int NV>
+inline void s_panel_f32(const float* q, int64_t D, const float* kp, int64_t gstride, float* s) {
+  using R = typename V::R;
+  R acc[MR][NV];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = V::zero();
+  const float* kv[NV];
+  for (int v = 0; v < NV; ++v) kv[v] = kp + (v * V::W / kGroup) * gstride + (v * V::W) % kGroup;
+  for (int64_t d = 0; d < D; ++d) {
+    R b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = V::load(kv[v] + d * kGroup);
+    for (int m = 0; m < MR; ++m) {
+      const R a = V::set1(q[m * D + d]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = V::fmadd(a, b[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < NV; ++v) V::store(s + m * kBK + v * V::W, acc[m][v]);
+}
+
+template <class V, int MR, int DV>
+inline void pv_panel_f32(float* o, int64_t Dp, const float* alpha, const float* p, const float* vp, int nkeys) {
+  using R = typename V::R;
+  R acc[MR][DV];
+  for (int m = 0; m < MR; ++m) {
+    const R a = V::set1(alpha[m]);
+    for (int v = 0; v < DV; ++v) acc[m][v] = V::mul(V::load(o + m * Dp + v * V::W), a);
+  }
+  for (int j = 0; j < nkeys; ++j) {
+    R b[DV];
+    for (int v = 0; v < DV; ++v) b[v] = V::load(vp + j * Dp + v * V::W);
+    for (int m = 0; m < MR; ++m) {
+      const R a = V::set1(p[m * kBK + j]);
+      for (int v = 0; v < DV; ++v) acc[m][v] = V::fmadd(a, b[v], acc[m][v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < DV; ++v) V::store(o + m * Dp + v * V::W, acc[m][v]);
+}
+
+template <class V, typename T>
+struct F32Arch {
+  static constexpr bool kPairs = false;
+  static constexpr int kKeyVecs = V::W == 16 ? 4 : 2;  // key vectors per score panel
+  static constexpr int kDimVecs = V::W == 16 ? 4 : 2;  // head_dim vectors per P.V panel
+  static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
+    load_q_f32<T>(P, q0, h, rows, dst);
+  }
+  static void scores(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const float* kp = static_cast<const float*>(P.kp) + kh * P.kp_head + g * P.kp_group;
+    const int nvec = ng * kGroup / V::W;
+    for (int r0 = 0; r0 < rows; r0 += kMR) {
+      const int mr = std::min(kMR, rows - r0);
+      for (int v0 = 0; v0 < nvec; v0 += kKeyVecs) {
+        const int nv = std::min(kKeyVecs, nvec - v0);
+        const float* kb = kp + (v0 * V::W / kGroup) * P.kp_group;
+        float* sb = S.s + r0 * kBK + v0 * V::W;
+        with_n<kMR>(mr, [&](auto MR) {
+          with_n<kKeyVecs>(nv, [&](auto NV) {
+            s_panel_f32<V, decltype(MR)::value, decltype(NV)::value>(S.q + r0 * P.D, P.D, kb, P.kp_group, sb);
+          });
+        });
+      }
+    }
+  }
+  static void softmax(const float* s, int n, float c, float* m, float* l, float* alpha, float* prow) {
+    softmax_row<V, OutF32<V>>(s, n, c, m, l, alpha, prow);
+  }
+  static void pv(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const float* vp = static_cast<const float*>(P.vp) + kh * P.vp_head + g * P.vp_group;
+    const int ndv = static_cast<int>(P.Dp / V::W);
+    for (int r0 = 0; r0 < rows; r0 += kMR) {
+      const int mr = std::min(kMR, rows - r0);
+      for (int v0 = 0; v0 < ndv; v0 += kDimVecs) {
+        const int dv = std::min(kDimVecs, ndv - v0);
+        with_n<kMR>(mr, [&](auto MR) {
+          with_n<kDimVecs>(dv, [&](auto DV) {
+            pv_panel_f32<V, decltype(MR)::value, decltype(DV)::value>(S.o + r0 * P.Dp + v0 * V::W, P.Dp,
+                                                                      S.alpha + r0, S.p + r0 * kBK,
+                                                                      vp + v0 * V::W, ng * kGroup);
+          });
+        });
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// bf16 on avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs and adds the pair sums to 16 fp32 lanes.
+// Q K^T: lanes = 16 keys, pair = 2 dims (K packed [D/2][16] pairs; Q's pair broadcast).
+// P V: lanes = 16 dims, pair = 2 keys (V packed [key pairs][Dp]; P's row-major pair broadcast).
+#if FA_DPBF16
+template <int MR, int NG>
+inline void s_panel_dp(const uint32_t* q, int64_t np, const uint32_t* kp, int64_t gstride, float* s) {
+  __m512 acc[MR][NG];
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    __m512bh b[NG];
+    for (int g = 0; g < NG; ++g) b[g] = (__m512bh)_mm512_loadu_si512(kp + g * gstride + p * kGroup);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[m * np + p]));
+      for (int g = 0; g < NG; ++g) acc[m][g] = _mm512_dpbf16_ps(acc[m][g], a, b[g]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(s + m * kBK + g * kGroup, acc[m][g]);
+}
+
+template <int MR, int DV>
+inline void pv_panel_dp(float* o, int64_t Dp, const float* alpha, const uint32_t* p, const uint32_t* vp, int npairs) {
+  __m512 acc[MR][DV];
+  for (int m = 0; m < MR; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int v = 0; v < DV; ++v) acc[m][v] = _mm512_mul_ps(_mm512_loadu_ps(o + m * Dp + v * 16), a);
+  }
+  constexpr int kRowPairs = kBK / 2;  // 32-bit words per P row (its bf16 half)
+  for (int j = 0; j < npairs; ++j) {
+    __m512bh b[DV];
+    for (int v = 0; v < DV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(vp + j * Dp + v * 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[m * 2 * kRowPairs + j]));
+      for (int v = 0; v < DV; ++v) acc[m][v] = _mm512_dpbf16_ps(acc[m][v], a, b[v]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < DV; ++v) _mm512_storeu_ps(o + m * Dp + v * 16, acc[m][v]);
+}
+
+// Probabilities rounded to bf16 into the first half of the row (16 at a time).
+struct OutBf16 {
+  static void store(float* row, int j, __m512 p) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(row) + j),
+                        (__m256i)_mm512_cvtneps_pbh(p));
+  }
+};
+
+struct DpArch {
+  static constexpr bool kPairs = true;
+  static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
+    bf16* d = reinterpret_cast<bf16*>(dst);
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(d + r * P.D, at_row<bf16>(P.q, P.q_st, P.q_sh, q0 + r, h), sizeof(bf16) * P.D);
+  }
+  static void scores(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const uint32_t* kp = static_cast<const uint32_t*>(P.kp) + kh * P.kp_head + g * P.kp_group;
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(S.q);
+    const int64_t np = P.D / 2;
+    for (int r0 = 0; r0 < rows; r0 += kMR) {
+      const int mr = std::min(kMR, rows - r0);
+      with_n<kMR>(mr, [&](auto MR) {
+        with_n<kBK / kGroup>(ng, [&](auto NG) {
+          s_panel_dp<decltype(MR)::value, decltype(NG)::value>(q + r0 * np, np, kp, P.kp_group, S.s + r0 * kBK);
+        });
+      });
+    }
+  }
+  static void softmax(const float* s, int n, float c, float* m, float* l, float* alpha, float* prow) {
+    softmax_row<V16, OutBf16>(s, n, c, m, l, alpha, prow);
+  }
+  static void pv(const Problem& P, int64_t kh, int64_t g, int ng, int rows, Scratch& S) {
+    const uint32_t* vp = static_cast<const uint32_t*>(P.vp) + kh * P.vp_head + g * P.vp_group;
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(S.p);
+    const int ndv = static_cast<int>(P.Dp / 16);
+    for (int r0 = 0; r0 < rows; r0 += kMR) {
+      const int mr = std::min(kMR, rows - r0);
+      for (int v0 = 0; v0 < ndv; v0 += 4) {
+        const int dv = std::min(4, ndv - v0);
+        with_n<kMR>(mr, [&](auto MR) {
+          with_n<4>(dv, [&](auto DV) {
+            pv_panel_dp<decltype(MR)::value, decltype(DV)::value>(S.o + r0 * P.Dp + v0 * 16, P.Dp, S.alpha + r0,
+                                                                  p + r0 * kBK, vp + v0 * 16, ng * kGroup / 2);
+          });
+        });
+      }
+    }
+  }
+};
+#endif  // FA_DPBF16
+
+// ---------------------------------------------------------------------------------------------
+
+template <class Arch, typename T>
+void run_arch(Problem& P, int64_t nseg, int64_t Hq) {
+  const int64_t ngroups = P.gstart[nseg];
+  const int64_t D = P.D, Dp = P.Dp;
+  // Pack K and V.
+  at::Tensor kbuf, vbuf;
+  if constexpr (Arch::kPairs) {
+    P.kp_group = D / 2 * kGroup;
+    P.vp_group = kGroup / 2 * Dp;
+    kbuf = at::empty({std::max<int64_t>(P.Hkv * ngroups * P.kp_group, 1)}, at::kInt);
+    vbuf = at::empty({std::max<int64_t>(P.Hkv * ngroups * P.vp_group, 1)}, at::kInt);
+  } else {
+    P.kp_group = D * kGroup;
+    P.vp_group = kGroup * Dp;
+    kbuf = at::empty({std::max<int64_t>(P.Hkv * ngroups * P.kp_group, 1)}, at::kFloat);
+    vbuf = at::empty({std::max<int64_t>(P.Hkv * ngroups * P.vp_group, 1)}, at::kFloat);
+  }
+  P.kp_head = ngroups * P.kp_group;
+  P.vp_head = ngroups * P.vp_group;
+  P.kp = kbuf.data_ptr();
+  P.vp = vbuf.data_ptr();
+  std::vector<int32_t> group_seg(ngroups);
+  for (int64_t s = 0; s < nseg; ++s)
+    for (int64_t g = P.gstart[s]; g < P.gstart[s + 1]; ++g) group_seg[g] = static_cast<int32_t>(s);
+  at::parallel_for(0, P.Hkv * ngroups, 8, [&](int64_t a, int64_t e) {
+    for (int64_t i = a; i < e; ++i) {
+      const int64_t kh = i / ngroups, g = i % ngroups;
+      if constexpr (Arch::kPairs) {
+        pack_group_pairs(P, kh, group_seg[g], g, static_cast<uint32_t*>(kbuf.data_ptr()) + kh * P.kp_head + g * P.kp_group,
+                         static_cast<uint32_t*>(vbuf.data_ptr()) + kh * P.vp_head + g * P.vp_group);
+      } else {
+        pack_group_f32<T>(P, kh, group_seg[g], g, kbuf.data_ptr<float>() + kh * P.kp_head + g * P.kp_group,
+                          vbuf.data_ptr<float>() + kh * P.vp_head + g * P.vp_group);
+      }
+    }
+  });
+
+  // Work items, longest first.
+  std::vector<Item> items;
+  for (int64_t s = 0; s < nseg; ++s) {
+    const int64_t lq = P.cu_q[s + 1] - P.cu_q[s];
+    for (int64_t i0 = 0; i0 < lq; i0 += kBQ) {
+      const int64_t i1 = std::min<int64_t>(i0 + kBQ, lq);
+      int32_t lo0, hi0, lo1, hi1;
+      row_bounds(P, s, i0, &lo0, &hi0);
+      row_bounds(P, s, i1 - 1, &lo1, &hi1);
+      const int64_t cost = (i1 - i0) * (std::max(hi0 - lo0, 0) + std::max(hi1 - lo1, 0)) / 2 + 64;
+      for (int64_t h = 0; h < Hq; ++h)
+        items.push_back(Item{int32_t(s), int32_t(h), int32_t(i0), int32_t(i1), cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    Scratch S(D, Dp);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) run_item<Arch, T>(P, items[i], S);
+  };
+  const int64_t nt = at::get_num_threads();
+  if (nt > 1 && n_items > 1)
+    at::parallel_for(0, std::min<int64_t>(nt, n_items), 1, worker);
+  else
+    worker(0, 1);
+}
+
+template <typename T>
+void dispatch(Problem& P, int64_t nseg, int64_t Hq, int64_t impl) {
+#if FA_DPBF16
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (impl == kAuto) return run_arch<DpArch, T>(P, nseg, Hq);
+  }
+#endif
+#if FA_AVX512
+  if (impl == kAuto || impl == kAvx512) return run_arch<F32Arch<V16, T>, T>(P, nseg, Hq);
+#endif
+#if FA_AVX2
+  if (impl != kGeneric) return run_arch<F32Arch<V8, T>, T>(P, nseg, Hq);
+#endif
+  run_arch<GenericArch<T>, T>(P, nseg, Hq);
+}
+
+}  // namespace
+
+at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+                           const at::Tensor& cu_seqlens_k, double scale, bool causal, int64_t window,
+                           std::optional<at::Tensor> out, int64_t impl) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q must be [Nq, Hq, D], k and v [Nk, Hkv, D]");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v shapes differ");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "flash_attention needs CPU tensors");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "q must be float32 or bfloat16, got ", dt);
+  TORCH_CHECK(k.scalar_type() == dt && v.scalar_type() == dt, "q/k/v dtypes differ");
+  const int64_t Nq = q.size(0), Hq = q.size(1), D = q.size(2), Nk = k.size(0), Hkv = k.size(1);
+  TORCH_CHECK(k.size(2) == D, "head_dim of q and k differ");
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "Hq (", Hq, ") must be a multiple of Hkv (", Hkv, ")");
+  TORCH_CHECK(D > 0 && D % 8 == 0 && D <= 512, "head_dim must be a multiple of 8 in [8, 512], got ", D);
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "head_dim must be contiguous (stride 1)");
+  TORCH_CHECK(scale > 0, "scale must be > 0");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(window == 0 || causal, "a sliding window needs causal=True");
+  for (const at::Tensor* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
+    TORCH_CHECK(cu->scalar_type() == at::kInt && cu->device().is_cpu() && cu->dim() == 1 && cu->is_contiguous(),
+                "cu_seqlens must be contiguous int32 CPU tensors");
+  }
+  TORCH_CHECK(cu_seqlens_q.size(0) == cu_seqlens_k.size(0) && cu_seqlens_q.size(0) >= 1,
+              "cu_seqlens_q and cu_seqlens_k must both have (segments + 1) entries");
+  const int64_t nseg = cu_seqlens_q.size(0) - 1;
+  const int32_t* cq = cu_seqlens_q.data_ptr<int32_t>();
+  const int32_t* ck = cu_seqlens_k.data_ptr<int32_t>();
+  TORCH_CHECK(cq[0] == 0 && ck[0] == 0 && cq[nseg] == Nq && ck[nseg] == Nk,
+              "cu_seqlens must start at 0 and end at the token counts (", Nq, ", ", Nk, ")");
+  std::vector<int32_t> gstart(nseg + 1, 0);
+  for (int64_t s = 0; s < nseg; ++s) {
+    TORCH_CHECK(cq[s + 1] >= cq[s] && ck[s + 1] >= ck[s], "cu_seqlens must be non-decreasing");
+    gstart[s + 1] = static_cast<int32_t>(gstart[s] + (int64_t(ck[s + 1] - ck[s]) + kGroup - 1) / kGroup);
+  }
+  at::Tensor o;
+  if (out.has_value() && out->defined()) {
+    o = *out;
+    TORCH_CHECK(o.sizes() == q.sizes() && o.scalar_type() == dt && o.device().is_cpu() && o.stride(2) == 1,
+                "out must be a CPU tensor shaped and typed like q with a contiguous head_dim");
+  } else {
+    o = at::empty(q.sizes(), q.options());
+  }
+  if (Nq == 0) return o;
+
+  Problem P{};
+  P.q = static_cast<const char*>(q.data_ptr());
+  P.k = static_cast<const char*>(k.data_ptr());
+  P.v = static_cast<const char*>(v.data_ptr());
+  P.out = static_cast<char*>(o.data_ptr());
+  P.q_st = q.stride(0);
+  P.q_sh = q.stride(1);
+  P.k_st = k.stride(0);
+  P.k_sh = k.stride(1);
+  P.v_st = v.stride(0);
+  P.v_sh = v.stride(1);
+  P.o_st = o.stride(0);
+  P.o_sh = o.stride(1);
+  P.cu_q = cq;
+  P.cu_k = ck;
+  P.gstart = gstart.data();
+  P.Hkv = Hkv;
+  P.G = Hq / Hkv;
+  P.D = D;
+  P.Dp = round_up(D, 16);
+  P.window = window;
+  P.causal = causal;
+  P.c = static_cast<float>(scale) * kLog2e;
+  if (dt == at::kFloat)
+    dispatch<float>(P, nseg, Hq, impl);
+  else
+    dispatch<bf16>(P, nseg, Hq, impl);
+  return o;
+}
+
+std::string build_info() {
+  std::string s = "avx512=";
+  s += FA_AVX512 ? "1" : "0";
+  s += " avx512bf16=";
+  s += FA_DPBF16 ? "1" : "0";
+  s += " avx2=";
+  s += FA_AVX2 ? "1" : "0";
+  return s;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "vlm_engine flash attention over packed variable-length sequences (CPU)";
+  m.def("flash_attention", &flash_attention,
+        "Block-diagonal / causal / sliding-window attention, GQA (see vlm_engine/attention/flash.py)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("scale"),
+        py::arg("causal") = false, py::arg("window") = 0, py::arg("out") = py::none(), py::arg("impl") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("build_info", &build_info, "Compile-time ISA features of this build");
+}
