@@ -25,12 +25,14 @@ import torch
 from torch import nn
 
 from vlm_engine.config import QUANTIZATIONS
+from vlm_engine.models.int8_gemm import load_int8_gemm
 from vlm_engine.models.prepack import as_rows, shaped_like
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_linears"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
+GEMM_MIN_ROWS = 16  # from here up the int8 GEMM (int8_gemm.py) beats quant_panel_linear (measured: see above)
 
 
 class QuantizedLinear(nn.Module):
@@ -48,6 +50,10 @@ class QuantizedLinear(nn.Module):
         # The product of contiguous [T >= 1, in] rows, weights bound: forward's body, the layer plans' linear.
         kernel, codes, scales, n, bias = ops.quant_panel_linear, self.codes, self.scales, self.out_features, self.bias
         self._rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: kernel(x, codes, scales, n, bits, bias)
+        gemm = load_int8_gemm()
+        if gemm is not None:  # prefill-sized products: the int8 GEMM, the same numbers bit for bit
+            big = gemm.quant_gemm
+            self._rows = lambda x: (big if x.shape[0] >= GEMM_MIN_ROWS else kernel)(x, codes, scales, n, bits, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
