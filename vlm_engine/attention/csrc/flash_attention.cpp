@@ -150,6 +150,13 @@ inline void with_n(int n, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
+// The next of the near-equal chunks (at most most) that n vectors split into: 5 as 3 + 2, not
+// 4 + 1, whose one-vector panel is bound by its broadcasts (head_dim 80 and 72).
+inline int chunk(int n, int most) {
+  const int parts = (n + most - 1) / most;
+  return (n + parts - 1) / parts;
+}
+
 inline float to_f32(float x) { return x; }
 inline float to_f32(bf16 x) { return static_cast<float>(x); }
 inline void store_out(float x, float* dst) { *dst = x; }
@@ -287,6 +294,13 @@ struct V16 {
   static R max(R a, R b) { return _mm512_max_ps(a, b); }
   static float hmax(R x) { return _mm512_reduce_max_ps(x); }
   static float hsum(R x) { return _mm512_reduce_add_ps(x); }
+  static void store_out(float* dst, R x) { _mm512_storeu_ps(dst, x); }
+  static void store_out(bf16* dst, R x) {  // round to nearest even, as c10 does for finite values
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
+  }
   // 2^x, exactly 0 below -126 (and for -inf). Max rel. error ~1e-7 (degree-7 Taylor on [-0.5, 0.5]).
   static R exp2(R x) {
     const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
@@ -330,6 +344,14 @@ struct V8 {
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
     h = _mm_add_ss(h, _mm_movehdup_ps(h));
     return _mm_cvtss_f32(h);
+  }
+  static void store_out(float* dst, R x) { _mm256_storeu_ps(dst, x); }
+  static void store_out(bf16* dst, R x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 16-bit lanes 0..7
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
   }
   // As V16::exp2; 2^n is built from the exponent bits (n >= -126 keeps it a normal float).
   static R exp2(R x) {
@@ -422,10 +444,18 @@ void run_item(const Problem& P, const Item& it, Scratch& S) {
   }
   for (int r = 0; r < rows; ++r) {
     T* o = reinterpret_cast<T*>(P.out) + (q0 + r) * P.o_st + h * P.o_sh;
-    const float inv = S.l[r] > 0.f ? 1.f / S.l[r] : 0.f;
-    const float* acc = S.o + r * Dp;
-    for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, o + d);
+    Arch::finish(S.o + r * Dp, S.l[r] > 0.f ? 1.f / S.l[r] : 0.f, o, D);
   }
+}
+
+// out[:D] = acc[:D] * inv, vectorised (a per-element bf16 conversion cost as much as the attention
+// of a 64-token window).
+template <class V, typename T>
+inline void finish_row(const float* acc, float inv, T* out, int64_t D) {
+  const typename V::R vi = V::set1(inv);
+  int64_t d = 0;
+  for (; d + V::W <= D; d += V::W) V::store_out(out + d, V::mul(V::load(acc + d), vi));
+  for (; d < D; ++d) store_out(acc[d] * inv, out + d);
 }
 
 // Query rows as fp32 [rows][D].
@@ -442,6 +472,9 @@ inline void load_q_f32(const Problem& P, int64_t q0, int64_t h, int rows, float*
 template <typename T>
 struct GenericArch {
   static constexpr bool kPairs = false;
+  static void finish(const float* acc, float inv, T* out, int64_t D) {
+    for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, out + d);
+  }
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
     load_q_f32<T>(P, q0, h, rows, dst);
   }
@@ -543,6 +576,7 @@ inline void pv_panel_f32(float* o, int64_t Dp, const float* alpha, const float* 
 template <class V, typename T>
 struct F32Arch {
   static constexpr bool kPairs = false;
+  static void finish(const float* acc, float inv, T* out, int64_t D) { finish_row<V>(acc, inv, out, D); }
   static constexpr int kKeyVecs = V::W == 16 ? 4 : 2;  // key vectors per score panel
   static constexpr int kDimVecs = V::W == 16 ? 4 : 2;  // head_dim vectors per P.V panel
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
@@ -573,8 +607,8 @@ struct F32Arch {
     const int ndv = static_cast<int>(P.Dp / V::W);
     for (int r0 = 0; r0 < rows; r0 += kMR) {
       const int mr = std::min(kMR, rows - r0);
-      for (int v0 = 0; v0 < ndv; v0 += kDimVecs) {
-        const int dv = std::min(kDimVecs, ndv - v0);
+      for (int v0 = 0, dv; v0 < ndv; v0 += dv) {
+        dv = chunk(ndv - v0, kDimVecs);
         with_n<kMR>(mr, [&](auto MR) {
           with_n<kDimVecs>(dv, [&](auto DV) {
             pv_panel_f32<V, decltype(MR)::value, decltype(DV)::value>(S.o + r0 * P.Dp + v0 * V::W, P.Dp,
@@ -639,6 +673,7 @@ struct OutBf16 {
 
 struct DpArch {
   static constexpr bool kPairs = true;
+  static void finish(const float* acc, float inv, bf16* out, int64_t D) { finish_row<V16>(acc, inv, out, D); }
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
     bf16* d = reinterpret_cast<bf16*>(dst);
     for (int r = 0; r < rows; ++r)
@@ -666,8 +701,8 @@ struct DpArch {
     const int ndv = static_cast<int>(P.Dp / 16);
     for (int r0 = 0; r0 < rows; r0 += kMR) {
       const int mr = std::min(kMR, rows - r0);
-      for (int v0 = 0; v0 < ndv; v0 += 4) {
-        const int dv = std::min(4, ndv - v0);
+      for (int v0 = 0, dv; v0 < ndv; v0 += dv) {
+        dv = chunk(ndv - v0, 4);
         with_n<kMR>(mr, [&](auto MR) {
           with_n<4>(dv, [&](auto DV) {
             pv_panel_dp<decltype(MR)::value, decltype(DV)::value>(S.o + r0 * P.Dp + v0 * 16, P.Dp, S.alpha + r0,
