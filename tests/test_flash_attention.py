@@ -132,6 +132,8 @@ def test_out_argument_and_validation(ext) -> None:
         ext.flash_attention(q, k, v, cu_seqlens([9, 3]), cu_k, 0.125)
     with pytest.raises(RuntimeError, match="multiple of Hkv"):
         ext.flash_attention(q[:, :3], k, v, cu_q, cu_k, 0.125)
+    with pytest.raises(RuntimeError, match="impl must be"):
+        ext.flash_attention(q, k, v, cu_q, cu_k, 0.125, impl=4)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         ext.flash_attention(q[..., :60], k[..., :60], v[..., :60], cu_q, cu_k, 0.125)
     assert "avx" in ext.build_info()

@@ -1,7 +1,8 @@
 """Flash attention over packed variable-length sequences on the CPU (our C++ op, `csrc/flash_attention.cpp`).
 
-    from vlm_engine.attention.flash import flash_attention, load_flash_attention
-    out = flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=..., causal=False, window=0)
+    from vlm_engine.attention.flash import cu_seqlens, load_flash_attention
+    op = load_flash_attention()  # the extension module, or None where it does not build
+    out = op.flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal=False, window=0)
 
 q [Nq, Hq, D], k / v [Nk, Hkv, D], token-major as the towers hold them (any token / head strides, the
 head dim contiguous: the q, k, v views of a fused qkv projection go in without a copy); Hq a multiple
@@ -13,9 +14,9 @@ as in prefill after a cached prefix); `window` > 0 (causal only) also hides keys
 A query that sees no key gets zeros. `flash_attention_reference` states the same contract in torch.
 
 `load_flash_attention()` builds (first use, ~1 min) or loads the extension through
-`vlm_engine.kernels.build` and returns the module, or None where it cannot build; the module's
-`flash_attention(..., impl=0)` takes an `impl` for tests (0 best, 1 portable loops, 2 AVX-512 fp32 FMA
-without vdpbf16ps, 3 AVX2 + FMA; one this build lacks falls back to the next one down) and
+`vlm_engine.kernels.build` (callers fall back to their SDPA code without it); the op also takes an
+optional `out` and an `impl` for tests (0 best, 1 portable loops, 2 AVX-512 fp32 FMA
+without vdpbf16ps, 3 AVX2 + FMA; one this build lacks falls back to the next one down); the module's
 `build_info()` names the ISA it was compiled for.
 """
 
@@ -33,7 +34,7 @@ from vlm_engine.kernels.build import build_extension, cpu_kernels_disabled
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cu_seqlens", "flash_attention", "flash_attention_reference", "load_flash_attention"]
+__all__ = ["cu_seqlens", "flash_attention_reference", "load_flash_attention"]
 
 EXT_NAME = "vlm_engine_flash_attention"
 _SRC = Path(__file__).resolve().parent / "csrc" / "flash_attention.cpp"
@@ -54,24 +55,6 @@ def cu_seqlens(lengths: list[int]) -> torch.Tensor:
     if lengths:
         out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     return out
-
-
-def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    *,
-    scale: float,
-    causal: bool = False,
-    window: int = 0,
-) -> torch.Tensor:
-    """The C++ op where it builds, else the torch reference (same contract, [Nq, Hq, D] out)."""
-    mod = load_flash_attention() if q.device.type == "cpu" else None
-    if mod is None:
-        return flash_attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale=scale, causal=causal, window=window)
-    return mod.flash_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window)
 
 
 def flash_attention_reference(

@@ -817,6 +817,7 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   TORCH_CHECK(scale > 0, "scale must be > 0");
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(window == 0 || causal, "a sliding window needs causal=True");
+  TORCH_CHECK(impl >= kAuto && impl <= kAvx2, "impl must be 0 (best), 1 (portable), 2 (AVX-512) or 3 (AVX2)");
   for (const at::Tensor* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
     TORCH_CHECK(cu->scalar_type() == at::kInt && cu->device().is_cpu() && cu->dim() == 1 && cu->is_contiguous(),
                 "cu_seqlens must be contiguous int32 CPU tensors");
