@@ -741,9 +741,11 @@ void run_arch(Problem& P, int64_t nseg, int64_t Hq) {
   std::vector<int32_t> group_seg(ngroups);
   for (int64_t s = 0; s < nseg; ++s)
     for (int64_t g = P.gstart[s]; g < P.gstart[s + 1]; ++g) group_seg[g] = static_cast<int32_t>(s);
+  // Group-major: a token's KV heads are neighbours in memory (one [Hkv, D] row per token, or all of
+  // q/k/v in a fused projection's output), so each token's lines are read once for all heads.
   at::parallel_for(0, P.Hkv * ngroups, 8, [&](int64_t a, int64_t e) {
     for (int64_t i = a; i < e; ++i) {
-      const int64_t kh = i / ngroups, g = i % ngroups;
+      const int64_t g = i / P.Hkv, kh = i % P.Hkv;
       if constexpr (Arch::kPairs) {
         pack_group_pairs(P, kh, group_seg[g], g, static_cast<uint32_t*>(kbuf.data_ptr()) + kh * P.kp_head + g * P.kp_group,
                          static_cast<uint32_t*>(vbuf.data_ptr()) + kh * P.vp_head + g * P.vp_group);
