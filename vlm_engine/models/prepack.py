@@ -8,8 +8,9 @@ bf16 at a few rows (the batch-1 decode) is a pure weight stream, and oneDNN's pa
 streamed SmolLM2's decoder weights at only ~11 GB/s at M=1 on that machine (47 GB/s measured):
 up to `BF16_PANEL_MAX_ROWS` rows the fused-ops panel kernel runs instead (bf16 panels widened to
 fp32 in registers, fp32 FMAs, one rounding to bf16; AVX2 + FMA, so it needs no bf16 instructions).
-Such a linear keeps both layouts: twice the bf16 weight memory, for the decode that is most
-latency-bound.
+With `weight_layouts="two"` such a linear keeps both layouts (twice the bf16 weight memory) and
+hands products above those rows to oneDNN; with "one" (the default, see "Weight layouts" below)
+the panels take every row count.
 
 bf16 on a CPU with bf16 dot products (AVX-512 BF16): up to `BF16_DOT_MAX_ROWS` rows (AMX: fewer, below) the
 vdpbf16ps kernel of `bf16_dot_gemm` runs instead of both: it prefetches the next weights while it
@@ -45,6 +46,24 @@ products): the fp32 model's linears keep fp32 activations and sums but store the
 bf16 panels, rounded once at load: half the bytes to stream. All SmolLM2 linears of a step on the
 Sapphire Rapids forced to AVX2, fp32 vs bf16 panels: M=1 24.3 vs 14.8 ms, M=16 47.4 vs 37.2, M=64
 110.4 vs 100.8 (benchmarks/inproc.py linears).
+
+Weight layouts (`weight_layouts`, issue 49): by default ("one") every linear is held once, in the
+layout of its decode kernel, which then takes every row count: bf16 on the dot kernel's pairs (on
+an AMX CPU the dot kernel up to its rows and our AMX tiles above, on the same pairs), bf16 without
+bf16 dot products on panels, fp32 on panels or oneDNN's layout (fp32 never kept two). The decode
+sizes run exactly the kernels they ran with two layouts; only prefill-sized products change kernel.
+On the 2-core Zen 4 (AVX-512 + avx512_bf16, no AMX), the four linears of a Qwen2.5-VL-3B decoder
+layer, dot kernel vs oneDNN packed, GFLOP/s: M=512 276-303 vs 283-308, M=1024 284-297 vs 285-309,
+M=2048 329-383 vs 309-441 (noisy: a shared machine); SmolLM2's at M=1024 level, M=2048 1.16x.
+A SmolLM2 1,024-token prefill through the engine: one layout 2.19 s, two 2.34 s (steps
+interleaved). bf16 panels against oneDNN capped to AVX512_CORE (a CPU without bf16 dot products),
+SmolLM2's linears: 0.2-0.65x its time up to 256 rows, level at 1,024; the 3B layer's 0.30-0.58x.
+Not measured: AMX above `BF16_AMX_MAX_ROWS` rows, where our tiles (about 1.45 TFLOP/s at 192
+rows above) stand in for oneDNN's AMX GEMM (about 2.0): from those numbers prefill-sized products
+may take up to ~1.4x as long there; "two" keeps oneDNN's for them, for twice the memory.
+Peak RSS of in-process engines at start-up (bf16, KV from the default budget), one layout vs
+before: SmolVLM2-500M-shaped 5.56 vs 6.28 GiB, Qwen2.5-VL-3B-shaped 10.47 vs 14.51 GiB (7.37 vs
+12.61 without the KV pool); a Qwen2.5-VL-7B-shaped model (15.4 GiB of weights) starts in 17.3 GiB.
 """
 
 from __future__ import annotations
