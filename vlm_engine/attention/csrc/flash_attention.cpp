@@ -68,6 +68,7 @@ constexpr int kGroup = 16;  // keys per packed group
 constexpr int kBK = 64;     // keys per block (up to 4 groups)
 constexpr int kBQ = 96;     // query rows per work item
 constexpr int kMR = 6;      // query rows per register panel
+constexpr int kLanes = 16;  // floats per row of running sums (the widest vector)
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -117,7 +118,7 @@ struct Scratch {
   float* p;  // kBQ * kBK: probabilities (fp32, or bf16 in the first half of each row)
   float* o;  // kBQ * Dp: unnormalised output
   float* m;  // kBQ: running max (scaled, log2 domain)
-  float* l;  // kBQ: running sum
+  float* l;  // kBQ * kLanes: running sum, per lane of the vector kernels (summed at the end)
   float* alpha;  // kBQ: this block's rescale of the row's accumulator
   int32_t* lo;
   int32_t* hi;
@@ -125,7 +126,7 @@ struct Scratch {
   Scratch(int64_t D, int64_t Dp) {
     thread_local std::vector<float> buf;
     thread_local std::vector<int32_t> ibuf;
-    const size_t n = kBQ * D + 2 * kBQ * kBK + kBQ * Dp + 3 * kBQ + 64;
+    const size_t n = kBQ * D + 2 * kBQ * kBK + kBQ * Dp + (2 + kLanes) * kBQ + 64;
     if (buf.size() < n) buf.resize(n);
     if (ibuf.size() < 2 * kBQ) ibuf.resize(2 * kBQ);
     float* base = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
@@ -135,7 +136,7 @@ struct Scratch {
     q = o + kBQ * Dp;
     m = q + kBQ * D;
     l = m + kBQ;
-    alpha = l + kBQ;
+    alpha = l + kBQ * kLanes;
     lo = ibuf.data();
     hi = lo + kBQ;
   }
@@ -399,7 +400,8 @@ inline void softmax_row(const float* s, int n, float c, float* m, float* l, floa
   }
   *alpha = a;
   *m = mnew;
-  *l = *l * a + V::hsum(vsum);
+  // Lane-wise: a horizontal sum per row and block was a latency chain that showed in profiles.
+  V::store(l, V::fmadd(V::load(l), V::set1(a), vsum));
 }
 
 template <class V>
@@ -419,10 +421,8 @@ void run_item(const Problem& P, const Item& it, Scratch& S) {
   const int64_t q0 = P.cu_q[s] + it.i0;
   for (int r = 0; r < rows; ++r) row_bounds(P, s, it.i0 + r, S.lo + r, S.hi + r);
   Arch::load_q(P, q0, h, rows, S.q);
-  for (int r = 0; r < rows; ++r) {
-    S.m[r] = kNegInf;
-    S.l[r] = 0.f;
-  }
+  for (int r = 0; r < rows; ++r) S.m[r] = kNegInf;
+  std::memset(S.l, 0, sizeof(float) * rows * kLanes);
   std::memset(S.o, 0, sizeof(float) * rows * Dp);
   // lo and hi never decrease with the row: the item's keys are [lo[0], hi[rows - 1]).
   const int32_t jlo = S.lo[0] & ~(kGroup - 1), jhi = S.hi[rows - 1];
@@ -438,13 +438,14 @@ void run_item(const Problem& P, const Item& it, Scratch& S) {
         for (int j = 0; j < std::min(a, n); ++j) sr[j] = kNegInf;
         for (int j = std::max(b, 0); j < n; ++j) sr[j] = kNegInf;
       }
-      Arch::softmax(sr, n, P.c, S.m + r, S.l + r, S.alpha + r, S.p + r * kBK);
+      Arch::softmax(sr, n, P.c, S.m + r, S.l + r * kLanes, S.alpha + r, S.p + r * kBK);
     }
     Arch::pv(P, kh, g, n / kGroup, rows, S);
   }
   for (int r = 0; r < rows; ++r) {
     T* o = reinterpret_cast<T*>(P.out) + (q0 + r) * P.o_st + h * P.o_sh;
-    Arch::finish(S.o + r * Dp, S.l[r] > 0.f ? 1.f / S.l[r] : 0.f, o, D);
+    const float l = Arch::row_sum(S.l + r * kLanes);
+    Arch::finish(S.o + r * Dp, l > 0.f ? 1.f / l : 0.f, o, D);
   }
 }
 
@@ -475,6 +476,7 @@ struct GenericArch {
   static void finish(const float* acc, float inv, T* out, int64_t D) {
     for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, out + d);
   }
+  static float row_sum(const float* l) { return l[0]; }
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
     load_q_f32<T>(P, q0, h, rows, dst);
   }
@@ -577,6 +579,7 @@ template <class V, typename T>
 struct F32Arch {
   static constexpr bool kPairs = false;
   static void finish(const float* acc, float inv, T* out, int64_t D) { finish_row<V>(acc, inv, out, D); }
+  static float row_sum(const float* l) { return V::hsum(V::load(l)); }
   static constexpr int kKeyVecs = V::W == 16 ? 4 : 2;  // key vectors per score panel
   static constexpr int kDimVecs = V::W == 16 ? 4 : 2;  // head_dim vectors per P.V panel
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
@@ -674,6 +677,7 @@ struct OutBf16 {
 struct DpArch {
   static constexpr bool kPairs = true;
   static void finish(const float* acc, float inv, bf16* out, int64_t D) { finish_row<V16>(acc, inv, out, D); }
+  static float row_sum(const float* l) { return V16::hsum(V16::load(l)); }
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
     bf16* d = reinterpret_cast<bf16*>(dst);
     for (int r = 0; r < rows; ++r)
