@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_linears"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
-GEMM_MIN_ROWS = 16  # from here up the int8 GEMM (int8_gemm.py) beats quant_panel_linear (measured: see above)
+GEMM_MIN_ROWS = 4  # from here up the int8 GEMM (int8_gemm.py) beats quant_panel_linear (measured: see above)
 
 
 class QuantizedLinear(nn.Module):

@@ -56,9 +56,10 @@ namespace {
 constexpr int64_t kPanel = 16;       // output columns per panel
 constexpr int64_t kGroup = 32;       // inputs per scale
 constexpr int64_t kBlockBytes = 64;  // one panel block: 16 columns x 4 int8 inputs, or x 8 int4 inputs
-// A thread sweeps its strips of columns over a block of x of kRowChunk rows x up to kChunkBytes / kRowChunk
-// inputs, which stays in its L2 (1 MiB on Zen 4 / 5) while the strips' weights stream past it.
-constexpr int64_t kRowChunk = 128, kChunkBytes = 384 << 10;
+// Cache blocking: a thread takes x in blocks of kRowChunk rows (their codes stay in its L2) and the
+// inputs in blocks whose codes for one strip of columns fill about kWeightBlockBytes (they stay in L1
+// while every row tile of the block passes them; without that each tile fetched its weights from L2).
+constexpr int64_t kRowChunk = 128, kWeightBlockBytes = 16 << 10;
 
 #if VLM_INT8_AVX2
 
@@ -144,6 +145,9 @@ struct Zmm {
   static I high4(I w) { return _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0F)); }
   static I unsigned8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(static_cast<char>(0x80))); }
   static I dot8(I acc, I u, I, I x) { return dot(acc, u, x); }
+  // acc + u times the 4 s8 codes at x4 broadcast to every lane.
+  // (vpdpbusd's own {1to16} memory broadcast, forced by inline asm, measured no faster.)
+  static I dot_at(I acc, I u, const int8_t* x4) { return dot(acc, u, set1(load4(x4))); }
   static F cvt(I s) { return _mm512_cvtepi32_ps(s); }
   static F halves(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -185,6 +189,7 @@ struct Ymm {
     return Vnni ? _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80))) : _mm256_abs_epi8(w);
   }
   static I dot8(I acc, I u, I w, I x) { return Vnni ? dot(acc, u, x) : dot(acc, u, _mm256_sign_epi8(x, w)); }
+  static I dot_at(I acc, I u, const int8_t* x4) { return dot(acc, u, set1(load4(x4))); }
   static F cvt(I s) { return _mm256_cvtepi32_ps(s); }
   static F halves(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
@@ -208,8 +213,10 @@ struct Problem {
 
 // MR rows from row0 x NV vectors from column col0 (a vector never crosses a panel), groups g0..g1-1.
 // The first block of groups starts from 0, the others from the sums y holds; the last adds the bias.
+// `ahead`: the bytes from this strip's codes to the next strip's, which the tile prefetches (the first
+// row tile of a strip does, spread over its groups, so that they come in while it computes).
 template <class V, int Bits, int MR, int NV>
-void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) {
+void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead) {
   using I = typename V::I;
   using F = typename V::F;
   const int64_t k = p.k, groups = p.groups;
@@ -249,6 +256,13 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) 
       for (int v = 0; v < NV; ++v) s[r][v] = start;
     }
     const int8_t* xg = xq + g * kGroup;
+    if (ahead) {
+      constexpr int64_t group_bytes = kGroup * Bits / 8 * kPanel;  // one group of a whole panel
+      for (int v = 0; v < NV; ++v)
+        if ((v * V::kCols) % kPanel == 0)
+          for (int64_t line = 0; line < group_bytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(cp[v] + ahead + g * group_bytes + line), _MM_HINT_T0);
+    }
     if constexpr (Bits == 8) {
 #pragma GCC unroll 8
       for (int b = 0; b < 8; ++b) {
@@ -259,8 +273,13 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) 
           u[v] = V::unsigned8(w[v]);
         }
         for (int r = 0; r < MR; ++r) {
-          const I xr = V::set1(load4(xg + r * k + 4 * b));
-          for (int v = 0; v < NV; ++v) s[r][v] = V::dot8(s[r][v], u[v], w[v], xr);
+          const int8_t* xr = xg + r * k + 4 * b;
+          if constexpr (V::kBiased) {
+            for (int v = 0; v < NV; ++v) s[r][v] = V::dot_at(s[r][v], u[v], xr);
+          } else {
+            const I x4 = V::set1(load4(xr));
+            for (int v = 0; v < NV; ++v) s[r][v] = V::dot8(s[r][v], u[v], w[v], x4);
+          }
         }
       }
     } else {
@@ -274,8 +293,8 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) 
           hi[v] = V::high4(w);
         }
         for (int r = 0; r < MR; ++r) {
-          const I xa = V::set1(load4(xg + r * k + 8 * b)), xb = V::set1(load4(xg + r * k + 8 * b + 4));
-          for (int v = 0; v < NV; ++v) s[r][v] = V::dot(V::dot(s[r][v], lo[v], xa), hi[v], xb);
+          const int8_t* xr = xg + r * k + 8 * b;
+          for (int v = 0; v < NV; ++v) s[r][v] = V::dot_at(V::dot_at(s[r][v], lo[v], xr), hi[v], xr + 4);
         }
       }
     }
@@ -311,14 +330,14 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) 
 
 // tile<V, Bits, mr, nv> for 1 <= mr <= MR, 1 <= nv <= NV.
 template <class V, int Bits, int MR, int NV>
-void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1) {
+void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead) {
   if constexpr (MR > 1) {
-    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1);
+    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1, ahead);
   }
   if constexpr (NV > 1) {
-    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1);
+    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1, ahead);
   }
-  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1);
+  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead);
 }
 
 // Threads take strips of NV vectors of columns; each sweeps its strips over one block of x at a time.
@@ -327,7 +346,7 @@ void run(const Problem& p, int64_t m) {
   constexpr int64_t strip_cols = V::kNV * V::kCols;
   const int64_t strips = (p.n + strip_cols - 1) / strip_cols;
   const int64_t rows = std::min(m, kRowChunk);
-  const int64_t block_groups = std::max<int64_t>(1, kChunkBytes / rows / kGroup);
+  const int64_t block_groups = std::max<int64_t>(1, kWeightBlockBytes / (strip_cols * kGroup * Bits / 8));
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += rows) {
       const int64_t r1 = std::min(m, r0 + rows);
@@ -336,9 +355,10 @@ void run(const Problem& p, int64_t m) {
         for (int64_t s = begin; s < end; ++s) {
           const int64_t col0 = s * strip_cols;
           const int nv = static_cast<int>(std::min<int64_t>(V::kNV, (p.n - col0 + V::kCols - 1) / V::kCols));
+          const int64_t ahead = s + 1 < end ? strip_cols / kPanel * p.panel_bytes : 0;
           for (int64_t r = r0; r < r1; r += V::kMR) {
             const int mr = static_cast<int>(std::min<int64_t>(V::kMR, r1 - r));
-            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1);
+            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0);
           }
         }
       }
