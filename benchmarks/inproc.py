@@ -1,5 +1,5 @@
 """The in-process harness: `inproc.py NAME [options]` runs one measurement (host, decode, roofline, linears,
-vision, video, batch, gemma3) inside this process and writes benchmarks/results/<name>-<time>/results.json.
+vision, attention, video, batch, gemma3) inside this process and writes benchmarks/results/<name>-<time>/results.json.
 See benchmarks/README.md, "Other commands" and the sections that cite each measurement."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import itertools
 import json
 import os
 import random
@@ -386,6 +387,37 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     print(f"\nQwen2.5-VL-3B vision tower, 2 threads, median of {VISION_REPEATS}\n")
     print("\n".join(S.md_table(head, rows)))
     return {"rows": rows}
+
+
+@measurement("attention", opt("--heads", 8), opt("--rounds", 5))
+def attention(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Our flash-attention op (vlm_engine/attention/flash.py) against torch SDPA on one segment of 1k, 2k and 4k
+    tokens, head dim 64 and 128, bf16 and fp32, full and causal: GFLOP/s (4 N^2 D H, causal N (N + 1) / 2 for
+    N^2) of the fastest of --rounds interleaved runs after a warm-up, on torch's threads."""
+    from functools import partial
+
+    import torch
+    import torch.nn.functional as F
+
+    from vlm_engine.attention.flash import cu_seqlens, load_flash_attention
+
+    op, rows = load_flash_attention(), []
+    if op is None:
+        raise SystemExit("the flash-attention extension did not build")
+    for dtype, dim, n, causal in itertools.product((torch.bfloat16, torch.float32), (64, 128), (1024, 2048, 4096), (False, True)):  # fmt: skip
+        q, k, v = torch.randn(n, 3, args.heads, dim).to(dtype).unbind(1)  # token-major views, as the towers hold them
+        bounds, scale = cu_seqlens([n]), dim**-0.5
+        calls = {"ours": partial(op.flash_attention, q, k, v, bounds, bounds, scale, causal),
+                 "sdpa": partial(F.scaled_dot_product_attention, *(t.transpose(0, 1) for t in (q, k, v)), is_causal=causal, scale=scale)}  # fmt: skip
+        best = {name: min(ts) for name, ts in S.interleaved(calls, args.rounds).items()}
+        gflop = 4 * dim * args.heads * (n * (n + 1) / 2 if causal else n * n) / 1e9
+        rows.append([str(dtype).removeprefix("torch."), str(dim), str(n), "causal" if causal else "full",
+                     f"{gflop / best['ours']:.0f}", f"{gflop / best['sdpa']:.0f}", f"{best['sdpa'] / best['ours']:.2f}"])  # fmt: skip
+        print("  " + " ".join(rows[-1]), flush=True)
+    head = ["dtype", "head dim", "tokens", "mask", "ours GFLOP/s", "SDPA GFLOP/s", "speed-up"]
+    print(f"\nflash attention vs SDPA, {args.heads} heads, {torch.get_num_threads()} threads ({op.build_info()})\n")
+    print("\n".join(S.md_table(head, rows)))
+    return {"build": op.build_info(), "rows": rows}
 
 
 # ---- video preprocessing -------------------------------------------------------------------------------------
