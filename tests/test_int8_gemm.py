@@ -19,8 +19,9 @@ from vlm_engine.models.quantized import GEMM_MIN_ROWS, QuantizedLinear
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = {1: "avx512-vnni", 2: "avx-vnni-256", 3: "avx2-maddubs"}
 # [m, n, k]: odd row and column counts (partial tiles, a partial last panel, half-panel vectors),
-# k from one group up; a thread takes x in blocks of 128 rows x up to 384 KiB: 101 x 4096 spans two
-# blocks of inputs (partial sums kept in y between them), 133 rows two blocks of rows.
+# k from one group up; a thread takes x in chunks of up to 128 rows and 384 KiB, and the inputs in
+# blocks of 16 KiB of a strip's codes (partial sums kept in y between them): 101 x 4096 spans two
+# chunks of rows and 8 (int8) or 4 (int4) blocks of inputs, 133 x 96 two chunks of rows.
 SHAPES = [(1, 37, 64), (5, 16, 32), (17, 100, 96), (33, 130, 576), (70, 53, 160), (101, 40, 4096), (133, 24, 96)]
 
 
