@@ -15,15 +15,17 @@ the same order and on tensors of the same shapes, so the output is bit-identical
   min of 15: bf16 53 -> 35 ms, fp32 66 -> 44 ms.
 - Window order, its inverse, positions and RoPE tables are built once per grid list (cached).
 
-In bfloat16 on the CPU (the engine's default there) the element-wise work goes through the fused
-ops extension (`vlm_engine.models.fused_ops`): RMSNorm fused with the residual add, RoPE in place
+In bfloat16 on the CPU (the engine's default there) attention, windows and full blocks alike, is one
+call of our flash-attention kernel over all segments (`vlm_engine.attention.flash`, a block-diagonal
+mask; vision_blocks.segment_attention), and the element-wise work goes through the fused ops extension (`vlm_engine.models.fused_ops`): RMSNorm fused with the residual add, RoPE in place
 on the qkv output, in-place SiLU-and-mul, and the patch embedding is a matmul rather than a conv.
 Transformers rounds the same way except that its RoPE and norms round once from fp32 where these
 round products to bf16 first: both stay within bf16's own error of the fp32 model (the test's bound).
 
 What remains is the linears (~85% of the time: prepacked by the engine, `models/prepack.py`) and
-full attention (SDPA's flash kernel, ~50 GFLOP/s on this CPU: 1.4 s per full block at 3,996
-patches). benchmarks/inproc.py vision, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
+full attention (torch SDPA's bf16 kernel ran at ~50 GFLOP/s on this CPU, 1.4 s per full block at
+3,996 patches; our kernel, 1 thread: 2.2 -> 0.67 s at 3,888 patches, issue 49). Before that kernel,
+benchmarks/inproc.py vision, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
 shared with other jobs, min of 5 runs, ms (Transformers / ours / ours with prepacked linears):
 448x448 6116 / 2776 / 2364, 1024x768 10352 / 9386 / 8808.
 """
