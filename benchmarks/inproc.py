@@ -670,6 +670,45 @@ def gemma3(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"rows": rows}
 
 
+# ---- layouts: a linear's weight held once or twice (issue 49) ------------------------------------------------------
+
+
+@measurement("layouts", opt("--model", "smollm2"), opt("--batches", "1,16,64"), opt("--prefill", 1024))
+def layouts(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """bf16 decode forward (median of 16) at each batch and a --prefill-token prefill (median of 4), weight_layouts
+    one against two: both engines in this process, steps interleaved so that the machine's noise falls on both."""
+    from vlm_engine.models.prepack import PackedLinear
+
+    engines = {v: build_engine(args.model, dtype="bfloat16", weight_layouts=v, max_num_seqs=64,
+                               kv_cache_tokens=64 * 160 + args.prefill + 256) for v in ("one", "two")}  # fmt: skip
+    rows = {v: {"held_mib": sum(m.held_bytes() for m in e.model.modules() if isinstance(m, PackedLinear)) / 2**20}
+            for v, e in engines.items()}  # fmt: skip
+
+    def interleaved(key: str, prompts: dict[str, list[list[int]]], params: Any, done: Callable[[Any], bool]) -> None:
+        times: dict[str, list[float]] = {v: [] for v in engines}
+        ids = {v: [e.add_request(p, params) for p in prompts[v]] for v, e in engines.items()}
+        while all(e.has_unfinished for e in engines.values()) and len(times["one"]) < 16:
+            for v, e in engines.items():
+                e.step()
+                times[v] += [e.last_step.forward_s] if done(e.last_step) else []
+        for v, e in engines.items():
+            for rid in ids[v]:
+                e.abort(rid)
+            rows[v][key] = rows[v].get(key, []) + times[v]
+
+    for batch in ints(args.batches):
+        prompts = {v: random_prompts(e, batch, 100, seed=batch) for v, e in engines.items()}
+        interleaved(f"decode_b{batch}", prompts, greedy(60), lambda s, b=batch: s.num_seqs == b and not s.num_prefill_tokens)
+    for seed in range(4):
+        prompts = {v: random_prompts(e, 1, args.prefill, seed=100 + seed) for v, e in engines.items()}
+        interleaved(f"prefill_{args.prefill}", prompts, greedy(1), lambda s: s.num_prefill_tokens == args.prefill)
+    keys = [k for k in rows["one"] if k != "held_mib"]
+    result = {v: {"held_mib": round(r["held_mib"])} | {f"{k}_ms": round(1e3 * S.median(r[k]), 2) for k in keys}
+              for v, r in rows.items()}  # fmt: skip
+    print(json.dumps(result, indent=1))
+    return {"layouts": result}
+
+
 # ---- the CLI ---------------------------------------------------------------------------------------------------
 
 
