@@ -57,7 +57,9 @@ def _panel_codes(codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int) -
     return q[:n], d[:n], mins[:n]
 
 
-def _oracle(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _oracle(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, n: int, bits: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     """llama.cpp's Q8_0 / Q8_1 activations times the codes in float64: per row and group of 32,
     qx = round-half-even(x * (1 / dx)) with dx = max|x| / 127 (both fp32, as the kernels compute them);
     y = sum over groups of d dx (qx . q) + m (sum of x) + bias."""
@@ -146,5 +148,13 @@ print("ok")
 def test_the_avx2_build_equals_the_decode_kernel(gemm: Any) -> None:
     """VLM_ENGINE_ISA=avx2 builds both extensions for x86-64-v3 (what Zen 3 runs): one path, the same numbers."""
     env = {**os.environ, "VLM_ENGINE_ISA": "avx2", "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _FORCED_AVX2], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", _FORCED_AVX2],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

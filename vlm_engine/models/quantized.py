@@ -8,7 +8,13 @@ quantizing weights that came from a Q4_1 GGUF file gives back the file's codes, 
 quantized model is served with the numbers llama.cpp uses. The layers take and return fp32; inside,
 the kernels (the fused-ops extension's `quantize_panels` / `quant_panel_linear`, csrc/fused_ops.cpp)
 round each row of x to int8 per group of 32, as llama.cpp's Q8_0 / Q8_1 activations, and run
-integer dot products.
+integer dot products. From `GEMM_MIN_ROWS` rows up the product runs on the int8 GEMM instead
+(int8_gemm.py: register-blocked tiles, the same numbers bit for bit): on the 2-core Zen 5, one
+thread, the bench Qwen2-VL's (Qwen2-VL-2B's) linears at 16-1024 rows run at ~450-615 GFLOP/s against
+~250 for the decode kernel and ~460-520 for the bf16 dot kernel, whose vdpbf16ps issues at twice
+vpdpbusd's rate there; the whole step at 8 rows takes 11 ms against 20 (bf16 12.5), and the
+in-process engine does 2.38 / 1.59 requests/s at batch 8 / 1 with int8 (1.67 / 1.28 before),
+2.45 / 1.94 with int4, 3.03 / 1.42 in bf16 (docs/ARCHITECTURE.md, "Weight-only quantization").
 
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
 as llama.cpp's Q4 files keep the output projection in Q8_0). The vision tower stays in its dtype:
@@ -32,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_linears"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
-GEMM_MIN_ROWS = 4  # from here up the int8 GEMM (int8_gemm.py) beats quant_panel_linear (measured: see above)
+GEMM_MIN_ROWS = 4  # the int8 GEMM from here up: 0.47-0.66x quant_panel_linear's time at 4-8 rows, slower at 1-2
 
 
 class QuantizedLinear(nn.Module):
