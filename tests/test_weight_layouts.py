@@ -89,9 +89,7 @@ def test_one_layout_runs_the_decode_kernels_at_every_row_count(rows: int) -> Non
     assert torch.equal(gate_up(x), product(x, plain_pairs, 128))
     gated = (dot.amx_silu_mul if tiles else dot.dot_silu_mul)(x, gate_up._gate_up_pairs, 64)
     assert torch.equal(gate_up.silu_and_mul(x, fused), gated)
-    torch.testing.assert_close(
-        one["mlp"](x, fused).float(), reference["mlp"](x, fused).float(), rtol=2**-7, atol=2e-2
-    )
+    torch.testing.assert_close(one["mlp"](x, fused).float(), reference["mlp"](x, fused).float(), rtol=2**-7, atol=2e-2)
 
 
 def test_fp32_linears_hold_one_layout_either_way(ops: object) -> None:
@@ -121,7 +119,7 @@ def test_stored_tensors_read_what_safetensors_reads(tiny_vlm_dir: Path) -> None:
 
     (path,) = sorted(tiny_vlm_dir.glob("*.safetensors"))
     with safe_open(str(path), framework="pt") as f:
-        want = {key: f.get_tensor(key) for key in f.keys()}
+        want = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (a safe_open handle, no dict)
     got = {}
     for name, stored in loader.iter_safetensors(tiny_vlm_dir):
         assert isinstance(stored, loader.StoredTensor)

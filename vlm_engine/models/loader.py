@@ -75,10 +75,9 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor | Stor
             data_start = 8 + header_size
             for key, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
                 dtype = _SAFETENSORS_DTYPES.get(entry["dtype"])
-                if dtype is None:
-                    yield key, _read_with_safetensors(path, key)
-                else:
-                    yield key, StoredTensor(f.fileno(), data_start + entry["data_offsets"][0], dtype, tuple(entry["shape"]))
+                offset, shape = data_start + entry["data_offsets"][0], tuple(entry["shape"])
+                stored = None if dtype is None else StoredTensor(f.fileno(), offset, dtype, shape)
+                yield key, _read_with_safetensors(path, key) if stored is None else stored
 
 
 def _read_with_safetensors(path: Path, key: str) -> torch.Tensor:

@@ -55,15 +55,20 @@ sizes run exactly the kernels they ran with two layouts; only prefill-sized prod
 On the 2-core Zen 4 (AVX-512 + avx512_bf16, no AMX), the four linears of a Qwen2.5-VL-3B decoder
 layer, dot kernel vs oneDNN packed, GFLOP/s: M=512 276-303 vs 283-308, M=1024 284-297 vs 285-309,
 M=2048 329-383 vs 309-441 (noisy: a shared machine); SmolLM2's at M=1024 level, M=2048 1.16x.
-A SmolLM2 1,024-token prefill through the engine: one layout 2.19 s, two 2.34 s (steps
-interleaved). bf16 panels against oneDNN capped to AVX512_CORE (a CPU without bf16 dot products),
-SmolLM2's linears: 0.2-0.65x its time up to 256 rows, level at 1,024; the 3B layer's 0.30-0.58x.
+SmolLM2 bf16 engines, one layout vs two (`benchmarks/inproc.py layouts`: two engines in one
+process, steps interleaved, on the busy shared machine): linears hold 256 vs 513 MiB; decode
+forward at batch 1 / 16 8.1 / 10.6 ms either way (the same kernels); a 1,024-token prefill 2.83 vs
+2.98 s (another run 2.19 vs 2.34). bf16 panels against oneDNN capped to AVX512_CORE (a CPU
+without bf16 dot products), SmolLM2's linears: 0.2-0.65x its time up to 256 rows, level at 1,024;
+the 3B layer's 0.30-0.58x.
 Not measured: AMX above `BF16_AMX_MAX_ROWS` rows, where our tiles (about 1.45 TFLOP/s at 192
 rows above) stand in for oneDNN's AMX GEMM (about 2.0): from those numbers prefill-sized products
 may take up to ~1.4x as long there; "two" keeps oneDNN's for them, for twice the memory.
 Peak RSS of in-process engines at start-up (bf16, KV from the default budget), one layout vs
 before: SmolVLM2-500M-shaped 5.56 vs 6.28 GiB, Qwen2.5-VL-3B-shaped 10.47 vs 14.51 GiB (7.37 vs
-12.61 without the KV pool); a Qwen2.5-VL-7B-shaped model (15.4 GiB of weights) starts in 17.3 GiB.
+12.61 without the KV pool); a Qwen2.5-VL-7B-shaped model (15.4 GiB of weights) starts in 17.3 GiB;
+SmolLM2 fp32 on bf16 panels (`dtype="auto"` with VLM_ENGINE_CPU_BF16=0) peaks at 1.30 vs 1.72 GiB:
+its fp32 weights are freed linear by linear as they are packed.
 """
 
 from __future__ import annotations
