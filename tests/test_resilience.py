@@ -114,7 +114,9 @@ def test_a_stalled_media_url_blocks_no_one_and_the_media_budget_ends_it(server: 
 def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(server: ServerProcess) -> None:
     old_pid = worker_pid(server)
     restarts = server.metrics()["vlm_engine:preprocess_worker_restarts_total"]
-    generating = StreamReader(server, 200, {**chat("Go on and on.", 200), "stream": True, "ignore_eos": True})
+    # Longer than the test: it must still be decoding when the held request registers, however loaded the
+    # machine (at 200 tokens it once finished first, and "in flight >= 2" was never seen); we hang up at the end.
+    generating = StreamReader(server, 4000, {**chat("Go on and on.", 4000), "stream": True, "ignore_eos": True})
     generating.start()  # in the engine core when the worker dies: must not notice
     assert generating.first_token.wait(30) and generating.status == 200
     # Freeze the worker, give it a prompt, then kill it: that prompt was in the dead worker's hands.
@@ -122,8 +124,11 @@ def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(serve
     held: dict[str, Any] = {}
     holder = threading.Thread(target=lambda: held.update(r=post(server, chat("Held by the worker."))), daemon=True)
     holder.start()
-    wait_for(lambda: server.metrics()["vlm_engine:num_requests_inflight"] >= 2, 10, "the held request")
-    os.kill(old_pid, signal.SIGKILL)
+    try:
+        wait_for(lambda: server.metrics()["vlm_engine:num_requests_inflight"] >= 2, 30, "the held request")
+        assert generating.is_alive(), "the stream ended before the worker died"
+    finally:  # never leave a stopped worker behind for the module's next test
+        os.kill(old_pid, signal.SIGKILL)
     holder.join(30)
     assert held["r"].status_code == 500
     assert "preprocess worker" in held["r"].json()["error"]["message"]
@@ -138,8 +143,12 @@ def test_a_killed_preprocess_worker_is_restarted_and_only_its_prompts_fail(serve
     metrics = server.metrics()
     assert metrics["vlm_engine:preprocess_worker_restarts_total"] == restarts + 1
     assert metrics["vlm_engine:preprocess_workers_ready"] == 1
+    streamed = len(generating.events)
+    wait_for(lambda: len(generating.events) > streamed + 10, 60, "the stream to go on after the restart")
+    generating.hang_up.set()
     generating.join(60)
-    assert generating.finish_reasons == ["length"] and not generating.errors, "the running request was disturbed"
+    assert generating.status == 200 and generating.error is None, generating.error
+    assert not generating.errors and not generating.finish_reasons, "the running request was disturbed"
     answers = [post(server, chat([{"type": "image_url", "image_url": {"url": image_uri(i)}}])) for i in range(3)]
     assert [r.status_code for r in answers] == [200, 200, 200]
     assert server.proc.poll() is None
