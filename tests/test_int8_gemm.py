@@ -89,6 +89,23 @@ def test_equals_the_decode_kernel_bit_for_bit(ops: Any, gemm: Any, impl: int, bi
             torch.testing.assert_close(got.double(), _oracle(x, codes, scales, n, bits, bias), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("impl", sorted(IMPLS), ids=list(IMPLS.values()))
+def test_bf16_rows_equal_the_decode_kernel_on_them_widened(ops: Any, gemm: Any, impl: int, bits: int) -> None:
+    """bf16 in and out (a bf16 model's quantized linears): the fp32 product of the rows widened
+    (exactly), rounded to bf16 once, as QuantizedLinear does below GEMM_MIN_ROWS rows."""
+    if impl not in gemm.impls():
+        pytest.skip(f"this build has no {IMPLS[impl]} path (it has {[IMPLS[i] for i in gemm.impls()]})")
+    for m, n, k in SHAPES:
+        w, b, x = _case(m, n, k, seed=m * n + bits + 1)
+        codes, scales = ops.quantize_panels(w, bits)
+        x = x.bfloat16()
+        got = gemm.quant_gemm(x, codes, scales, n, bits, b, impl=impl)
+        assert got.dtype == torch.bfloat16
+        want = ops.quant_panel_linear(x.float(), codes, scales, n, bits, b).bfloat16()
+        assert torch.equal(got, want), (m, n, k)
+
+
 def test_rows_with_a_stride_and_the_argument_checks(ops: Any, gemm: Any) -> None:
     w, b, x = _case(9, 48, 128, seed=3)
     codes, scales = ops.quantize_panels(w, 8)
@@ -126,6 +143,9 @@ def test_quantized_linear_takes_the_gemm_from_its_row_count(ops: Any, gemm: Any,
         x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
         want = ops.quant_panel_linear(x, layer.codes, layer.scales, 70, bits, layer.bias)
         assert torch.equal(rows(x), want) and torch.equal(layer(x.view(1, m, 96)), want.view(1, m, 70))
+        half = x.bfloat16()  # bf16 rows: the same product of the rows widened, rounded to bf16 once
+        want = ops.quant_panel_linear(half.float(), layer.codes, layer.scales, 70, bits, layer.bias).bfloat16()
+        assert torch.equal(rows(half), want) and torch.equal(layer(half.view(1, m, 96)), want.view(1, m, 70))
 
 
 _FORCED_AVX2 = """

@@ -236,8 +236,8 @@ class ModelConfig(Section):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.quantization and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"quantization keeps float32 activations; dtype {self.dtype!r} cannot be combined with it")
+        if self.quantization and self.dtype == "float16":
+            raise ValueError("quantized linears take bfloat16 or float32 activations; dtype 'float16' is neither")
 
 
 @dataclass(frozen=True)

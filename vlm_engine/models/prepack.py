@@ -415,9 +415,10 @@ class LoadTimePacker:
     """Packs each linear as soon as the loader has filled its weights (`loader.load_weights`'
     `on_filled`), so that a model's plain weights and its packed ones never exist side by side: the
     plain tensor is freed, and its pages handed back to the kernel, before the next one is read.
-    A linear not in `dtype` is cast first; `quantize(parent, name, path)` (weight-only quantization)
-    may then replace it; with `pack` the rest become PackedLinears, those under `encoder_paths` (media
-    encoders, which only multiply prefill-sized row counts) in oneDNN's layout alone, as
+    `quantize(parent, name, path)` (weight-only quantization) may replace a linear first, from its
+    weights as filled (fp32 where build_model kept them so); one it leaves that is not in `dtype`
+    is cast; with `pack` the rest become PackedLinears, those under `encoder_paths` (media encoders,
+    which only multiply prefill-sized row counts) in oneDNN's layout alone, as
     `registry.build_model` packs them. `quantize_linears` and `prepack_linears` afterwards take what is
     left (a linear tied to the embedding), check the kernels and log."""
 
@@ -443,13 +444,14 @@ class LoadTimePacker:
     def __call__(self, path: str) -> None:
         parent_path, _, name = path.rpartition(".")
         parent = self._model.get_submodule(parent_path)
+        replaced = self._quantize is not None and self._quantize(parent, name, path) is not None  # from any dtype
         child = getattr(parent, name)
-        if self._dtype is not None and child.weight.dtype != self._dtype and child.weight.is_floating_point():
+        weight = None if replaced or self._dtype is None else child.weight
+        if weight is not None and weight.dtype != self._dtype and weight.is_floating_point():
             # Built outside the meta device in another dtype (Transformers' Qwen2-VL tower): cast as
             # build_model's `model.to(dtype)` would have before packing.
             child.to(self._dtype)
-        del child
-        replaced = self._quantize is not None and self._quantize(parent, name, path) is not None
+        del child, weight
         if not replaced and self._pack:
             encoder = (path + ".").startswith(self._encoders) if self._encoders else False
             replaced = pack_child(parent, name, *(() if encoder else self._kernels)) is not None

@@ -36,8 +36,9 @@ from vlm_engine.models.prepack import as_rows, shaped_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATIONS", "QuantizedLinear", "quantize_linears"]
+__all__ = ["QUANTIZATIONS", "QUANTIZED_DTYPES", "QuantizedLinear", "quantize_linears", "quantized_weights"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
+QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # the activations the layers take, and return in that dtype
 GEMM_MIN_ROWS = 4  # the int8 GEMM from here up: 0.47-0.66x quant_panel_linear's time at 4-8 rows, slower at 1-2
 
 
@@ -53,24 +54,20 @@ class QuantizedLinear(nn.Module):
         weight = linear.weight.detach().float()
         self.codes, self.scales = ops.quantize_panels(weight, bits)
         self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        # The product of contiguous [T >= 1, in] rows, weights bound: forward's body, the layer plans' linear.
-        kernel, codes, scales, n, bias = ops.quant_panel_linear, self.codes, self.scales, self.out_features, self.bias
-        self._rows: Callable[[torch.Tensor], torch.Tensor] = lambda x: kernel(x, codes, scales, n, bits, bias)
-        gemm = load_int8_gemm()
-        if gemm is not None:  # prefill-sized products: the int8 GEMM, the same numbers bit for bit
-            big = gemm.quant_gemm
-            self._rows = lambda x: (big if x.shape[0] >= GEMM_MIN_ROWS else kernel)(x, codes, scales, n, bits, bias)
+        self._rows = _bind_rows(
+            ops.quant_panel_linear, load_int8_gemm(), self.codes, self.scales, linear.out_features, bits, self.bias
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
-            raise TypeError(f"QuantizedLinear takes float32 activations, got {x.dtype}")
+        if x.dtype not in QUANTIZED_DTYPES:
+            raise TypeError(f"QuantizedLinear takes float32 or bfloat16 activations, got {x.dtype}")
         flat = as_rows(x, self.in_features)
         if flat.shape[0] == 0:
             return x.new_empty(*x.shape[:-1], self.out_features)
         return shaped_like(self._rows(flat), x)
 
     def rows_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """forward for contiguous [T >= 1, in] fp32 rows, kernel and weights bound (the layer plans')."""
+        """forward for contiguous [T >= 1, in] fp32 or bf16 rows, kernel and weights bound (the layer plans')."""
         return self._rows
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -79,6 +76,31 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int{self.bits}"
+
+
+def _bind_rows(
+    kernel: Callable[..., torch.Tensor],
+    gemm: ModuleType | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    bits: int,
+    bias: torch.Tensor | None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The product of contiguous [T >= 1, in] rows, weights bound: forward's body, the layer plans'
+    linear. From `GEMM_MIN_ROWS` rows the int8 GEMM (the same numbers bit for bit), which takes bf16
+    rows and rounds its fp32 sums (bias added) to bf16 once; below, the decode kernel (fp32 only)
+    on the rows widened to fp32, its output rounded the same way."""
+    big = None if gemm is None else gemm.quant_gemm
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        if big is not None and x.shape[0] >= GEMM_MIN_ROWS:
+            return big(x, codes, scales, n, bits, bias)
+        if x.dtype == torch.float32:
+            return kernel(x, codes, scales, n, bits, bias)
+        return kernel(x.float(), codes, scales, n, bits, bias).to(x.dtype)
+
+    return rows
 
 
 def decoder_bits(scheme: str, module_path: str) -> int | None:
@@ -105,6 +127,16 @@ def quantize_child(parent: nn.Module, name: str, path: str, scheme: str, ops: Mo
     quantized = QuantizedLinear(child, bits, ops)
     setattr(parent, name, quantized)
     return quantized
+
+
+def quantized_weights(model: nn.Module, scheme: str) -> frozenset[int]:
+    """The ids of the weights of the linears `scheme` quantizes (`quantize_child`'s choice), for
+    a model still on the meta device."""
+    return frozenset(
+        id(module.weight)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.Linear) and decoder_bits(scheme, path) is not None and module.in_features % GROUP == 0
+    )
 
 
 def quantize_linears(model: nn.Module, scheme: str, ops: ModuleType) -> int:

@@ -30,7 +30,7 @@ from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.family import ModelFamily, VLModel, text_config_of
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import LoadTimePacker, prepack_linears, prepack_supported
-from vlm_engine.models.quantized import quantize_child, quantize_linears
+from vlm_engine.models.quantized import QUANTIZED_DTYPES, quantize_child, quantize_linears, quantized_weights
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,10 @@ def build_model(
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):
         model = cls(config)
-    _materialize(model, dtype)
+    quantizing = bool(quantization) and device.type == "cpu" and dtype in QUANTIZED_DTYPES and quant_ops is not None
+    # The linears to be quantized are filled in fp32: their codes come from the checkpoint's values
+    # (a Q4_1 GGUF's own), not from those rounded to a bf16 model's dtype.
+    _materialize(model, dtype, quantized_weights(model, quantization) if quantizing and quantization else frozenset())
     weights = (
         loader.iter_gguf(source.gguf_path, config)
         if source.gguf_path is not None
@@ -232,21 +235,22 @@ def build_model(
     )
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
-    quantizing = bool(quantization) and device.type == "cpu" and dtype == torch.float32 and quant_ops is not None
     quantize = functools.partial(quantize_child, scheme=quantization, ops=quant_ops) if quantizing else None
     dot_ops = load_bf16_dot_gemm() if packing and dtype == torch.bfloat16 else None
     encoders = tuple(getattr(model, "encoder_modules", ()))
     pack = LoadTimePacker(model, panel_ops, bf16_weights, dot_ops, weight_layouts, encoders, packing, quantize, dtype)
     loader.load_weights(model, weights, on_filled=pack if packing or quantizing else None)
+    if quantization:
+        if not quantizing:
+            raise ValueError("weight-only quantization runs on CPU, in fp32 or bf16, with the fused-ops extension")
+        # Before prepacking (what stays nn.Linear is packed) and before the cast to `dtype` (a linear
+        # tied to the embedding is quantized from its fp32 values, then the embedding is cast).
+        quantize_linears(model, quantization, quant_ops)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables(device)
-    if quantization:
-        if device.type != "cpu" or dtype != torch.float32 or quant_ops is None:
-            raise ValueError("weight-only quantization runs on CPU, in float32, with the fused-ops C++ extension")
-        quantize_linears(model, quantization, quant_ops)  # before prepacking: what stays nn.Linear is packed
     if packing:
         # A media encoder only ever multiplies prefill-sized row counts: one (oneDNN) layout for its linears.
         for name in encoders:
@@ -256,10 +260,10 @@ def build_model(
     return model
 
 
-def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
+def _materialize(model: nn.Module, dtype: torch.dtype, fp32_params: frozenset[int] = frozenset()) -> None:
     """Give meta tensors real (uninitialized) CPU storage, floating point ones in `dtype` (the
-    checkpoint is cast as it is copied in: a bf16 3B model never holds an fp32 copy); tied
-    parameters stay tied.
+    checkpoint is cast as it is copied in: a bf16 3B model never holds an fp32 copy), those whose
+    id is in `fp32_params` in float32; tied parameters stay tied.
 
     Safe because `load_weights` fails on any parameter the checkpoint leaves unset, and modules
     that compute buffers at construction (e.g. a vision tower's RoPE) build them on the CPU.
@@ -269,7 +273,8 @@ def _materialize(model: nn.Module, dtype: torch.dtype) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
                 if id(param) not in replaced:
-                    like = dtype if param.is_floating_point() else param.dtype
+                    like = torch.float32 if id(param) in fp32_params else dtype
+                    like = like if param.is_floating_point() else param.dtype
                     replaced[id(param)] = nn.Parameter(
                         torch.empty_like(param, device="cpu", dtype=like), requires_grad=False
                     )

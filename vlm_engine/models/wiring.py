@@ -58,13 +58,14 @@ def wire_model(config: EngineConfig) -> WiredModel:
     device = default_device(cfg.device)
     if device.type == "cpu":
         keep_freed_memory()  # steps reuse their large activations instead of page-faulting them in
-    # Quantized linears keep fp32 activations: "auto" then means float32.
-    dtype_choice = "float32" if cfg.quantization else cfg.dtype
-    dtype = resolve_dtype(dtype_choice, hf_config, device, source.gguf_file is not None)
+    # Quantized linears take the model's activations (bf16 where the CPU has bf16 dot products, as
+    # the unquantized model, else fp32); a quantized model keeps its other linears in fp32 on a CPU
+    # without them (no bf16 weight panels: the decoder's bytes are already the codes').
+    dtype = resolve_dtype(cfg.dtype, hf_config, device, source.gguf_file is not None)
     fast = cfg.numerics == "fast"
     fused = load_fused_ops() if fast and cfg.fused_cpu_ops and fused_ops_apply(device, dtype) else None
     panel_ops = fused if fused is not None and fused.panel_linear_vectorized() else None
-    bf16_weights = panel_ops is not None and cpu_bf16_weights(dtype_choice, dtype, device)
+    bf16_weights = panel_ops is not None and not cfg.quantization and cpu_bf16_weights(cfg.dtype, dtype, device)
     prepack = fast and cfg.prepack_weights
 
     def build(checkpoint: ModelSource, checkpoint_config: Any, quantization: str | None) -> VLModel:

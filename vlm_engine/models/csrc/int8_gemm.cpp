@@ -1,6 +1,6 @@
 // Prefill-sized products of the weight-only int8 / int4 panels (fused_ops.cpp's quantize_panels:
 // Q8_0 / Q4_1 codes in groups of 32 inputs, fp16 scales, panels of 16 output columns) on the CPU's
-// int8 dot products: y[M, N] = x[M, K] W^T (+ bias), fp32 in and out.
+// int8 dot products: y[M, N] = x[M, K] W^T (+ bias), fp32 or bf16 in and out (fp32 sums).
 //
 // Why a second kernel: fused_ops' quant_panel_linear is built for decode (1-2 rows a tile, 8
 // columns a 256-bit vector): at M in the hundreds every weight vector it loads feeds 2 rows, and
@@ -84,13 +84,22 @@ float lanes_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
 }
 
-void quantize_group(const float* x, int8_t* q, float* d, float* sum, int32_t* offset) {
+// 8 inputs as fp32: fp32 as they are, bf16 widened (exactly).
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <class T>
+void quantize_group(const T* x, int8_t* q, float* d, float* sum, int32_t* offset) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 part = _mm256_setzero_ps(), amax = _mm256_setzero_ps();
+  __m256 v[4];
   for (int i = 0; i < 4; ++i) {
-    const __m256 v = _mm256_loadu_ps(x + 8 * i);
-    part = _mm256_add_ps(part, v);
-    amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+    v[i] = load8(x + 8 * i);
+    part = _mm256_add_ps(part, v[i]);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
   }
   const float scale = lanes_max(amax) / 127.f, inverse = scale ? 1.f / scale : 0.f;
   int32_t codes_sum = 0;
@@ -98,7 +107,7 @@ void quantize_group(const float* x, int8_t* q, float* d, float* sum, int32_t* of
     // cvtps rounds half to even (the default rounding mode); |x / scale| <= 127 needs no clamp.
     alignas(32) int32_t r[8];
     _mm256_store_si256(reinterpret_cast<__m256i*>(r),
-                       _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(inverse))));
+                       _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inverse))));
     for (int j = 0; j < 8; ++j) {
       q[8 * i + j] = static_cast<int8_t>(std::clamp(r[j], -128, 127));
       codes_sum += q[8 * i + j];
@@ -109,7 +118,8 @@ void quantize_group(const float* x, int8_t* q, float* d, float* sum, int32_t* of
   *offset = -128 * codes_sum;
 }
 
-Rows quantize_rows(const float* x, int64_t xs, int64_t m, int64_t k) {
+template <class T>
+Rows quantize_rows(const T* x, int64_t xs, int64_t m, int64_t k) {
   const int64_t groups = k / kGroup;
   const auto cells = static_cast<size_t>(m * groups);
   Rows out{std::vector<int8_t>(static_cast<size_t>(m * k)), std::vector<float>(cells), std::vector<float>(cells),
@@ -402,8 +412,9 @@ int64_t resolve(int64_t impl) {
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits,
                       const std::optional<at::Tensor>& bias, int64_t impl) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a CPU fp32 [M, K] tensor with a contiguous last dim");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf16) && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU fp32 or bf16 [M, K] tensor with a contiguous last dim");
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
   const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), groups = k / kGroup;
   TORCH_CHECK(codes.size(1) * (bits == 8 ? 4 : 8) == k, "x has ", k, " features, the weight ", codes.size(1) * (bits == 8 ? 4 : 8));
@@ -416,10 +427,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   }
   const int64_t path = resolve(impl);
   TORCH_CHECK(path > 0, "this build of the int8 GEMM has no AVX2 + FMA + F16C path");
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y;
+  // The sums in fp32; bf16 rows get them rounded to bf16 once at the end (nearest even, as torch's
+  // .to(bfloat16) of the decode kernel's fp32 output: the two stay equal bit for bit).
+  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  if (m == 0) return y.to(x.scalar_type());
 #if VLM_INT8_AVX2
-  const Rows rows = quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
+  const Rows rows = bf16 ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
+                         : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
   const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, groups * 2 * kPanel,
                   static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                   bp, y.data_ptr<float>()};
@@ -438,7 +452,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
       run_bits<Ymm<false>>(p, m, bits);
   }
 #endif
-  return y;
+  return bf16 ? y.to(at::kBFloat16) : y;
 }
 
 const char* impl_name(int64_t impl) {
