@@ -4,7 +4,8 @@ models' fused ops and linears.
 Each build is cached under ``$VLM_ENGINE_CACHE/torch_extensions`` (default
 ``~/.cache/vlm_engine/torch_extensions``) in a directory keyed by torch/Python version, the
 host CPU's ISA flags and the compiler flags (``-march=native``, or the forced tier's -march);
-torch's loader rebuilds when the source or flags change and serialises concurrent builds with a
+torch's loader rebuilds when the source, the flags or a local header it includes (hashed into a
+define) change and serialises concurrent builds with a
 file lock. A build that fails with every flag set logs a warning and returns None: callers fall
 back to their torch reference.
 """
@@ -15,6 +16,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -88,6 +90,33 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The headers `source` includes with `#include "..."` (found beside the including file), and theirs."""
+    found: list[Path] = []
+    todo = [Path(source)]
+    while todo:
+        current = todo.pop()
+        for name in _INCLUDE.findall(current.read_text(encoding="utf-8", errors="replace")):
+            header = (current.parent / name).resolve()
+            if header.is_file() and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
+
+
+def _headers_flags(source: Path) -> list[str]:
+    """A define that carries the hash of the source's local headers. torch's loader decides whether to
+    rebuild from the sources' and the flags' hash only, so without it an edited header went unseen."""
+    headers = local_headers(source)
+    if not headers:
+        return []
+    digest = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(headers))).hexdigest()[:12]
+    return [f"-DVLM_ENGINE_HEADERS_SHA={digest}"]
+
+
 def build_extension(name: str, source: Path, build_dir: Path | None = None) -> ModuleType | None:
     """Build/load the extension (uncached); returns the module, or ``None`` after logging a warning."""
     errors = []
@@ -96,6 +125,7 @@ def build_extension(name: str, source: Path, build_dir: Path | None = None) -> M
 
         _ensure_ninja_on_path()
         build_dir = Path(build_dir) if build_dir is not None else extension_build_dir(name)
+        headers_flags = _headers_flags(source)
     except Exception as e:  # noqa: BLE001
         logger.warning("C++ extension %s unavailable (%s); using the torch reference", name, e)
         return None
@@ -112,7 +142,7 @@ def build_extension(name: str, source: Path, build_dir: Path | None = None) -> M
             return load(
                 name=name,
                 sources=[str(source)],
-                extra_cflags=flags,
+                extra_cflags=[*flags, *headers_flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(flags_dir),
                 verbose=verbose,

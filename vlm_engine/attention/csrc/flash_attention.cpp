@@ -42,35 +42,17 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#include <immintrin.h>
-#define FA_AVX512 1
-#else
-#define FA_AVX512 0
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define FA_AVX2 1
-#else
-#define FA_AVX2 0
-#endif
-#if FA_AVX512 && defined(__AVX512BF16__)
-#define FA_DPBF16 1
-#else
-#define FA_DPBF16 0
-#endif
+#include "simd_common.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace vlm_simd;
 
 constexpr int kGroup = 16;  // keys per packed group
 constexpr int kBK = 64;     // keys per block (up to 4 groups)
 constexpr int kBQ = 96;     // query rows per work item
 constexpr int kMR = 6;      // query rows per register panel
 constexpr int kLanes = 16;  // floats per row of running sums (the widest vector)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512 = 2, kAvx2 = 3 };
 
@@ -158,11 +140,6 @@ inline int chunk(int n, int most) {
   return (n + parts - 1) / parts;
 }
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16 x) { return static_cast<float>(x); }
-inline void store_out(float x, float* dst) { *dst = x; }
-inline void store_out(float x, bf16* dst) { *dst = bf16(x); }
-
 template <typename T>
 inline const T* at_row(const char* base, int64_t st, int64_t sh, int64_t t, int64_t h) {
   return reinterpret_cast<const T*>(base) + t * st + h * sh;
@@ -173,7 +150,7 @@ inline const T* at_row(const char* base, int64_t st, int64_t sh, int64_t t, int6
 // segment s; keys past the segment and dims past D are zeros (their probabilities are zero, and
 // zero times a zero pad is never NaN).
 
-#if FA_AVX512
+#if VLM_AVX512
 // r[i] <- column i of the 16 x 16 matrix of 32-bit words whose row j is r[j].
 inline void transpose16x16(__m512i* r) {
   __m512i t[16];
@@ -213,7 +190,7 @@ inline void pack_group_pairs(const Problem& P, int64_t kh, int64_t s, int64_t g,
     krow[jj] = j0 + jj < lk ? reinterpret_cast<const uint32_t*>(at_row<bf16>(P.k, P.k_st, P.k_sh, t, kh)) : nullptr;
     vrow[jj] = j0 + jj < lk ? reinterpret_cast<const uint16_t*>(at_row<bf16>(P.v, P.v_st, P.v_sh, t, kh)) : nullptr;
   }
-#if FA_AVX512
+#if VLM_AVX512
   // K: 16 x 16 transposes of 32-bit pairs; V: two rows' bf16 interleaved by vpermt2w. Scalar loops
   // here cost about as much as the attention itself on 64-token windows.
   for (int64_t p0 = 0; p0 < np; p0 += 16) {
@@ -276,103 +253,6 @@ inline void pack_group_f32(const Problem& P, int64_t kh, int64_t s, int64_t g, f
     }
   }
 }
-
-// ---------------------------------------------------------------------------------------------
-// Vector traits shared by the fp32 kernels and the softmax.
-
-#if FA_AVX512
-struct V16 {
-  using R = __m512;
-  static constexpr int W = 16;
-  static R load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
-  static R set1(float x) { return _mm512_set1_ps(x); }
-  static R zero() { return _mm512_setzero_ps(); }
-  static R fmadd(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
-  static R fmsub(R a, R b, R c) { return _mm512_fmsub_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm512_add_ps(a, b); }
-  static R max(R a, R b) { return _mm512_max_ps(a, b); }
-  static float hmax(R x) { return _mm512_reduce_max_ps(x); }
-  static float hsum(R x) { return _mm512_reduce_add_ps(x); }
-  static void store_out(float* dst, R x) { _mm512_storeu_ps(dst, x); }
-  static void store_out(bf16* dst, R x) {  // round to nearest even, as c10 does for finite values
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(r));
-  }
-  // 2^x, exactly 0 below -126 (and for -inf). Max rel. error ~1e-7 (degree-7 Taylor on [-0.5, 0.5]).
-  static R exp2(R x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.f), _CMP_GE_OQ);
-    const R xc = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const R n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const R f = _mm512_sub_ps(xc, n);
-    R p = _mm512_set1_ps(1.525273380405984e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, n));
-  }
-};
-#endif
-
-#if FA_AVX2
-struct V8 {
-  using R = __m256;
-  static constexpr int W = 8;
-  static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
-  static R set1(float x) { return _mm256_set1_ps(x); }
-  static R zero() { return _mm256_setzero_ps(); }
-  static R fmadd(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
-  static R fmsub(R a, R b, R c) { return _mm256_fmsub_ps(a, b, c); }
-  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
-  static R add(R a, R b) { return _mm256_add_ps(a, b); }
-  static R max(R a, R b) { return _mm256_max_ps(a, b); }
-  static float hmax(R x) {
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-  }
-  static float hsum(R x) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-  }
-  static void store_out(float* dst, R x) { _mm256_storeu_ps(dst, x); }
-  static void store_out(bf16* dst, R x) {
-    const __m256i u = _mm256_castps_si256(x);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);  // 16-bit lanes 0..7
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
-  }
-  // As V16::exp2; 2^n is built from the exponent bits (n >= -126 keeps it a normal float).
-  static R exp2(R x) {
-    const R live = _mm256_cmp_ps(x, _mm256_set1_ps(-126.f), _CMP_GE_OQ);
-    const R xc = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-    const R n = _mm256_round_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const R f = _mm256_sub_ps(xc, n);
-    R p = _mm256_set1_ps(1.525273380405984e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-  }
-};
-#endif
 
 // One row's online-softmax step over a key block of n (a multiple of 16) raw scores, the positions
 // the row does not see already -inf. Writes the block's probabilities through Out::store (fp32 or
@@ -449,16 +329,6 @@ void run_item(const Problem& P, const Item& it, Scratch& S) {
   }
 }
 
-// out[:D] = acc[:D] * inv, vectorised (a per-element bf16 conversion cost as much as the attention
-// of a 64-token window).
-template <class V, typename T>
-inline void finish_row(const float* acc, float inv, T* out, int64_t D) {
-  const typename V::R vi = V::set1(inv);
-  int64_t d = 0;
-  for (; d + V::W <= D; d += V::W) V::store_out(out + d, V::mul(V::load(acc + d), vi));
-  for (; d < D; ++d) store_out(acc[d] * inv, out + d);
-}
-
 // Query rows as fp32 [rows][D].
 template <typename T>
 inline void load_q_f32(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
@@ -474,7 +344,7 @@ template <typename T>
 struct GenericArch {
   static constexpr bool kPairs = false;
   static void finish(const float* acc, float inv, T* out, int64_t D) {
-    for (int64_t d = 0; d < D; ++d) store_out(acc[d] * inv, out + d);
+    for (int64_t d = 0; d < D; ++d) store_f32(acc[d] * inv, out + d);
   }
   static float row_sum(const float* l) { return l[0]; }
   static void load_q(const Problem& P, int64_t q0, int64_t h, int rows, float* dst) {
@@ -628,7 +498,7 @@ struct F32Arch {
 // bf16 on avx512_bf16: vdpbf16ps multiplies 32 bf16 pairs and adds the pair sums to 16 fp32 lanes.
 // Q K^T: lanes = 16 keys, pair = 2 dims (K packed [D/2][16] pairs; Q's pair broadcast).
 // P V: lanes = 16 dims, pair = 2 keys (V packed [key pairs][Dp]; P's row-major pair broadcast).
-#if FA_DPBF16
+#if VLM_AVX512BF16
 template <int MR, int NG>
 inline void s_panel_dp(const uint32_t* q, int64_t np, const uint32_t* kp, int64_t gstride, float* s) {
   __m512 acc[MR][NG];
@@ -717,7 +587,7 @@ struct DpArch {
     }
   }
 };
-#endif  // FA_DPBF16
+#endif  // VLM_AVX512BF16
 
 // ---------------------------------------------------------------------------------------------
 
@@ -790,15 +660,15 @@ void run_arch(Problem& P, int64_t nseg, int64_t Hq) {
 
 template <typename T>
 void dispatch(Problem& P, int64_t nseg, int64_t Hq, int64_t impl) {
-#if FA_DPBF16
+#if VLM_AVX512BF16
   if constexpr (std::is_same_v<T, bf16>) {
     if (impl == kAuto) return run_arch<DpArch, T>(P, nseg, Hq);
   }
 #endif
-#if FA_AVX512
+#if VLM_AVX512
   if (impl == kAuto || impl == kAvx512) return run_arch<F32Arch<V16, T>, T>(P, nseg, Hq);
 #endif
-#if FA_AVX2
+#if VLM_AVX2
   if (impl != kGeneric) return run_arch<F32Arch<V8, T>, T>(P, nseg, Hq);
 #endif
   run_arch<GenericArch<T>, T>(P, nseg, Hq);
@@ -880,16 +750,6 @@ at::Tensor flash_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return o;
 }
 
-std::string build_info() {
-  std::string s = "avx512=";
-  s += FA_AVX512 ? "1" : "0";
-  s += " avx512bf16=";
-  s += FA_DPBF16 ? "1" : "0";
-  s += " avx2=";
-  s += FA_AVX2 ? "1" : "0";
-  return s;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vlm_engine flash attention over packed variable-length sequences (CPU)";
   m.def("flash_attention", &flash_attention,
@@ -897,5 +757,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("v"), py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::arg("scale"),
         py::arg("causal") = false, py::arg("window") = 0, py::arg("out") = py::none(), py::arg("impl") = 0,
         py::call_guard<py::gil_scoped_release>());
-  m.def("build_info", &build_info, "Compile-time ISA features of this build");
+  m.def("build_info", &vlm_simd::isa_info, "Compile-time ISA features of this build");
 }

@@ -43,31 +43,11 @@
 #include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define PA_AVX512 1
-#else
-#define PA_AVX512 0
-#endif
-
-// AVX2 + FMA (Zen 3 and older Intel): 8-lane versions of the same kernels. Also built on AVX-512
-// machines so that the AVX2 path can be forced and tested there (impl = kAvx2).
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PA_AVX2 1
-#else
-#define PA_AVX2 0
-#endif
-
-#if PA_AVX512 && defined(__AVX512BF16__) && defined(__AVX512VL__)
-#define PA_AVX512BF16 1
-#else
-#define PA_AVX512BF16 0
-#endif
+#include "simd_common.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace vlm_simd;
 
 #ifndef PA_TILE
 #define PA_TILE 32
@@ -82,8 +62,6 @@ constexpr int kTile = PA_TILE;   // KV positions per tile
 static_assert(kTile % 16 == 0, "kTile must be a multiple of the 16-lane vector width");
 constexpr int kRowsCap = 64;     // target (query token x group head) rows per item
 constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split item
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2, kAvx2 = 3 };
 
@@ -160,11 +138,6 @@ struct Scratch {
   }
 };
 
-inline float to_f32(float x) { return x; }
-inline float to_f32(bf16 x) { return static_cast<float>(x); }
-inline void store_f32(float x, float* dst) { *dst = x; }
-inline void store_f32(float x, bf16* dst) { *dst = bf16(x); }
-
 template <typename T>
 inline const T* q_row(const Params& P, int64_t t, int64_t h) {
   return reinterpret_cast<const T*>(P.q) + t * P.q_st + h * P.q_sh;
@@ -200,6 +173,18 @@ inline int64_t setup_rows(const Params& P, const Item& it, Scratch& S) {
   return rows;
 }
 
+// out[:D] = acc[:D] * inv (vectorised where the build has vectors).
+template <typename T>
+inline void finish(const float* acc, float inv, T* out, int64_t D) {
+#if VLM_AVX512
+  finish_row<V16>(acc, inv, out, D);
+#elif VLM_AVX2
+  finish_row<V8>(acc, inv, out, D);
+#else
+  for (int64_t d = 0; d < D; ++d) store_f32(acc[d] * inv, out + d);
+#endif
+}
+
 template <typename T>
 inline void finish_item(const Params& P, const Item& it, Scratch& S, int64_t rows) {
   const int64_t D = P.D;
@@ -209,9 +194,7 @@ inline void finish_item(const Params& P, const Item& it, Scratch& S, int64_t row
       const int64_t t = it.q0 + r / rpt;
       const int64_t h = int64_t(it.h0) * P.G + r % rpt;
       T* o = reinterpret_cast<T*>(P.out) + t * P.o_st + h * P.o_sh;
-      const float inv = 1.f / S.l[r];
-      const float* a = S.acc + r * D;
-      for (int64_t d = 0; d < D; ++d) store_f32(a[d] * inv, o + d);
+      finish(S.acc + r * D, 1.f / S.l[r], o, D);
     }
   } else {
     float* base = P.part + int64_t(it.part) * P.rows_max * (D + 2);
@@ -425,32 +408,10 @@ struct GenericCore {
   }
 };
 
-#if PA_AVX512
+#if VLM_AVX512
 // ---------------------------------------------------------------------------
 // AVX-512 implementation, templated on NV = D / 16.
 // ---------------------------------------------------------------------------
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
-}
-
-// 2^x for x <= 0 (x may be -inf).  Max rel. error ~1e-7 (degree-7 Taylor on [-0.5, 0.5]).
-inline __m512 exp2_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284770e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Horizontal sums of 16 vectors: result lane i = sum of the lanes of a[i].
 inline __m512 reduce16(const __m512* a) {
@@ -478,7 +439,7 @@ inline __m512 reduce16(const __m512* a) {
 template <int NV, typename QT>
 inline __m512 dot16(const QT* q, const float* const* k) {
   __m512 qv[NV];
-  for (int v = 0; v < NV; ++v) qv[v] = load16(q + 16 * v);
+  for (int v = 0; v < NV; ++v) qv[v] = V16::load(q + 16 * v);
   __m512 a[16];
   for (int i = 0; i < 16; ++i) {
     a[i] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k[i]));
@@ -487,7 +448,7 @@ inline __m512 dot16(const QT* q, const float* const* k) {
   return reduce16(a);
 }
 
-#if PA_AVX512BF16
+#if VLM_AVX512BF16
 // 16 dot products with bf16 q/k using vdpbf16ps (exact products, fp32 accumulation).
 template <int NV>
 inline __m512 dot16_bf16(const bf16* q, const bf16* const* k) {
@@ -529,7 +490,7 @@ inline void pv_rows(float* acc, const float* s, const float* alpha, const VT* co
   // Position j into accumulator set k.
   auto add_position = [&](int j, int k) {
     __m512 vv[NV];
-    for (int v = 0; v < NV; ++v) vv[v] = load16(vrow[j] + voff + 16 * v);
+    for (int v = 0; v < NV; ++v) vv[v] = V16::load(vrow[j] + voff + 16 * v);
     for (int g = 0; g < GR; ++g) {
       const __m512 p = _mm512_set1_ps(s[g * kTile + j]);
       for (int v = 0; v < NV; ++v) a[k][g][v] = _mm512_fmadd_ps(p, vv[v], a[k][g][v]);
@@ -591,7 +552,7 @@ struct Avx512Core {
         if (widen_v_once) {
           for (int j = 0; j < jn; ++j) {
             float* vd = S.vf + j * D;
-            for (int v = 0; v < NV; ++v) _mm512_store_ps(vd + 16 * v, load16(vp[j] + voff + 16 * v));
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(vd + 16 * v, V16::load(vp[j] + voff + 16 * v));
             vpf[j] = vd;
           }
           for (int j = jn; j < kTile; ++j) vpf[j] = S.vf;
@@ -601,7 +562,7 @@ struct Avx512Core {
         } else {
           for (int j = 0; j < jn; ++j) {
             float* kd = S.kf + j * D;
-            for (int v = 0; v < NV; ++v) _mm512_store_ps(kd + 16 * v, load16(kp[j] + koff + 16 * v));
+            for (int v = 0; v < NV; ++v) _mm512_store_ps(kd + 16 * v, V16::load(kp[j] + koff + 16 * v));
             kpf[j] = kd;
           }
           for (int j = jn; j < kTile; ++j) kpf[j] = S.kf;
@@ -622,7 +583,7 @@ struct Avx512Core {
           for (int g0 = g_first; g0 < n; g0 += 16) {
             __m512 sc;
             if constexpr (kDp) {
-#if PA_AVX512BF16
+#if VLM_AVX512BF16
               sc = dot16_bf16<NV>(reinterpret_cast<const bf16*>(qr), kpb + g0);
 #endif
             } else {
@@ -635,19 +596,19 @@ struct Avx512Core {
             vmax = _mm512_max_ps(vmax, sc);
           }
           const float mold = S.m[r];
-          const float mnew = std::max(mold, _mm512_reduce_max_ps(vmax));
+          const float mnew = std::max(mold, V16::hmax(vmax));
           const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
           const __m512 vm = _mm512_set1_ps(mnew);
           __m512 vsum = _mm512_setzero_ps();
           for (int g0 = g_first; g0 < n; g0 += 16) {
             const __mmask16 mk = kLo ? lanes16(a - g0, n - g0) : lanes16(n - g0);
-            __m512 p = exp2_ps(_mm512_sub_ps(_mm512_load_ps(sr + g0), vm));
+            __m512 p = V16::exp2(_mm512_sub_ps(_mm512_load_ps(sr + g0), vm));
             p = _mm512_maskz_mov_ps(mk, p);
             _mm512_store_ps(sr + g0, p);
             vsum = _mm512_add_ps(vsum, p);
           }
           S.m[r] = mnew;
-          S.l[r] = S.l[r] * alpha + _mm512_reduce_add_ps(vsum);
+          S.l[r] = S.l[r] * alpha + V16::hsum(vsum);
           S.alpha[r] = alpha;
           pf.row_done();
         }
@@ -666,9 +627,9 @@ struct Avx512Core {
     }
   }
 };
-#endif  // PA_AVX512
+#endif  // VLM_AVX512
 
-#if PA_AVX2
+#if VLM_AVX2
 // ---------------------------------------------------------------------------
 // AVX2 + FMA implementation, templated on NV = D / 8. The same algorithm as the AVX-512
 // core with 8-lane vectors; bf16 K/V tiles are converted to fp32 once per head (AVX2 has no
@@ -676,50 +637,12 @@ struct Avx512Core {
 // x 500 positions: 10.3 ms per layer).
 // ---------------------------------------------------------------------------
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
-}
-
-// 2^x for x <= 0 (x may be -inf), as exp2_ps above; 2^n is built from the exponent bits, and
-// x is clamped to -126 so that 2^n stays a normal float.
-inline __m256 exp2_ps8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, n);
-  __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284770e-03f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // Horizontal sums of 8 vectors: result lane i = sum of the lanes of a[i].
 inline __m256 reduce8(const __m256* a) {
   const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   // t0 = [a0..a3 sums of lanes 0-3 | a0..a3 sums of lanes 4-7], t1 likewise for a4..a7.
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  return _mm_cvtss_f32(m);
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 // Lanes [0, left) set (left may exceed 8).
@@ -736,8 +659,8 @@ template <int NV, typename QT>
 inline __m256 dot8(const QT* q, const float* const* k) {
   __m256 a[8];
   for (int i = 0; i < 8; ++i) {
-    a[i] = _mm256_mul_ps(load8(q), _mm256_loadu_ps(k[i]));
-    for (int v = 1; v < NV; ++v) a[i] = _mm256_fmadd_ps(load8(q + 8 * v), _mm256_loadu_ps(k[i] + 8 * v), a[i]);
+    a[i] = _mm256_mul_ps(V8::load(q), _mm256_loadu_ps(k[i]));
+    for (int v = 1; v < NV; ++v) a[i] = _mm256_fmadd_ps(V8::load(q + 8 * v), _mm256_loadu_ps(k[i] + 8 * v), a[i]);
   }
   return reduce8(a);
 }
@@ -768,8 +691,8 @@ struct Avx2Core {
           float* kd = S.kf + j * D;
           float* vd = S.vf + j * D;
           for (int v = 0; v < NV; ++v) {
-            _mm256_store_ps(kd + 8 * v, load8(kp[j] + koff + 8 * v));
-            _mm256_store_ps(vd + 8 * v, load8(vp[j] + voff + 8 * v));
+            _mm256_store_ps(kd + 8 * v, V8::load(kp[j] + koff + 8 * v));
+            _mm256_store_ps(vd + 8 * v, V8::load(vp[j] + voff + 8 * v));
           }
           kpf[j] = kd;
           vpf[j] = vd;
@@ -797,18 +720,18 @@ struct Avx2Core {
             vmax = _mm256_max_ps(vmax, sc);
           }
           const float mold = S.m[r];
-          const float mnew = std::max(mold, hmax8(vmax));
+          const float mnew = std::max(mold, V8::hmax(vmax));
           const float alpha = (mold == kNegInf) ? 0.f : std::exp2(mold - mnew);
           const __m256 vm = _mm256_set1_ps(mnew);
           __m256 vsum = _mm256_setzero_ps();
           for (int g0 = g_first; g0 < n; g0 += 8) {
-            __m256 e = exp2_ps8(_mm256_sub_ps(_mm256_load_ps(sr + g0), vm));
+            __m256 e = V8::exp2(_mm256_sub_ps(_mm256_load_ps(sr + g0), vm));
             e = _mm256_and_ps(e, kLo ? lanes8(a - g0, n - g0) : lane_mask8(n - g0));
             _mm256_store_ps(sr + g0, e);
             vsum = _mm256_add_ps(vsum, e);
           }
           S.m[r] = mnew;
-          S.l[r] = S.l[r] * alpha + hsum8(vsum);
+          S.l[r] = S.l[r] * alpha + V8::hsum(vsum);
           pf.row_done();
 
           float* ar = S.acc + r * D;
@@ -849,19 +772,19 @@ struct Avx2Core {
     }
   }
 };
-#endif  // PA_AVX2
+#endif  // VLM_AVX2
 
 using ItemFn = void (*)(const Params&, const Item&, const Item*, Scratch&);
 
 template <typename T>
 ItemFn select_kernel(int64_t D, int64_t impl) {
-#if PA_AVX512
+#if VLM_AVX512
   if (impl != kGeneric && impl != kAvx2) {
-    const bool dp = PA_AVX512BF16 && std::is_same_v<T, bf16> && impl != kAvx512NoDpbf16 && D % 32 == 0;
+    const bool dp = VLM_AVX512BF16 && std::is_same_v<T, bf16> && impl != kAvx512NoDpbf16 && D % 32 == 0;
     (void)dp;
 #define PA_CASE(NV)                                                            \
   case NV * 16:                                                                \
-    if constexpr (PA_AVX512BF16 && std::is_same_v<T, bf16> && (NV % 2 == 0)) { \
+    if constexpr (VLM_AVX512BF16 && std::is_same_v<T, bf16> && (NV % 2 == 0)) { \
       if (dp) return &run_item<T, Avx512Core<T, NV, true>>;                    \
     }                                                                          \
     return &run_item<T, Avx512Core<T, NV, false>>;
@@ -878,7 +801,7 @@ ItemFn select_kernel(int64_t D, int64_t impl) {
 #undef PA_CASE
   }
 #endif
-#if PA_AVX2
+#if VLM_AVX2
   if (impl != kGeneric) {
 #define PA_CASE8(NV) \
   case NV * 8:       \
@@ -1236,12 +1159,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 std::string build_info() {
-  std::string s = "avx512=";
-  s += PA_AVX512 ? "1" : "0";
-  s += " avx512bf16=";
-  s += PA_AVX512BF16 ? "1" : "0";
-  s += " avx2=";
-  s += PA_AVX2 ? "1" : "0";
+  std::string s = vlm_simd::isa_info();
 #ifdef _OPENMP
   s += " openmp=1";
 #else
