@@ -709,6 +709,72 @@ def layouts(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     return {"layouts": result}
 
 
+# ---- openvino: OpenVINO GenAI's continuous batching beside our Engine (issue 49) --------------------------------
+
+OURS_AT = {"fp16": ("bf16", {"dtype": "bfloat16"}), "int8": ("int8", {"quantization": "int8"}),
+           "int4": ("int4", {"quantization": "int4"})}  # fmt: skip
+
+
+@measurement(
+    "openvino",
+    opt("--model", "bench", "'bench' (the bench Qwen2-VL) or a checkpoint directory"),
+    opt("--precisions", "fp16,int8,int4", "OpenVINO's weight formats; ours at bf16, int8, int4 beside them"),
+    opt("--batches", "8,1"),
+    opt("--rounds", 3, "timed rounds per side and batch (median reported), after one warm-up round each"),
+    opt("--threads", 2, "CPU threads of each side"),
+)
+def openvino(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Requests/s of our Engine and OpenVINO GenAI's ContinuousBatchingPipeline (benchmarks/openvino_peer.py: its
+    own venv, optimum-cli export) in-process: the same fresh 320x240 photos (a new one per request), the placard
+    prompt, exactly 32 tokens; rounds alternate ours, theirs so that the machine's noise falls on both."""
+    import numpy as np
+    import openvino_peer as OV
+    import torch
+    from PIL import Image
+    from workloads import PLACARD_PROMPT, photo_jpeg
+
+    from testkit.checkpoints import cached_qwen2_vl
+
+    torch.set_num_threads(args.threads)
+    model = cached_qwen2_vl("bench") if args.model == "bench" else Path(args.model)
+    batches, seeds = ints(args.batches), itertools.count(700_000)  # photo seeds no other table used
+    head = ["weights (ours / OpenVINO)", "batch", "ours req/s", "OpenVINO req/s", "ours / OpenVINO", "prompt tokens"]
+    rows: list[list[str]] = []
+    seconds: dict[str, list[float]] = {}  # every round's, the warm-up first
+    for precision in args.precisions.split(","):
+        ours_label, options = OURS_AT[precision]
+        engine = build_engine(str(model), max_num_seqs=max(batches), kv_cache_tokens=4096, **options)
+        peer = OV.Worker(OV.export(model, precision), args.threads, max(batches))
+        print(f"OpenVINO {peer.info}", flush=True)
+        for b in batches:
+            times: dict[str, list[float]] = {"ours": [], "theirs": []}
+            for _ in range(args.rounds + 1):
+                arrays = [np.asarray(Image.open(io.BytesIO(photo_jpeg(next(seeds), 320, 240)))) for _ in range(b)]
+                paths = [out / f"image{i}.npy" for i in range(b)]  # theirs: the same pixels, from a file
+                for path, a in zip(paths, arrays):
+                    np.save(path, a)
+                chats = [[{"role": "user", "content": [{"type": "image", "image": Image.fromarray(a)},
+                                                       {"type": "text", "text": PLACARD_PROMPT}]}] for a in arrays]  # fmt: skip
+                start = time.perf_counter()
+                got = engine.chat(chats, greedy(BATCH_TOKENS))
+                times["ours"].append(time.perf_counter() - start)
+                assert all(len(o.token_ids) == BATCH_TOKENS for o in got)
+                times["theirs"].append(peer.generate(paths, PLACARD_PROMPT, BATCH_TOKENS))
+            for path in paths:
+                path.unlink()
+            rate = {k: b / S.median(ts[1:]) for k, ts in times.items()}  # the first round warms up
+            seconds |= {f"{k} {precision} batch {b}": [round(t, 3) for t in ts] for k, ts in times.items()}
+            rows.append([f"{ours_label} / {precision}", str(b), f"{rate['ours']:.2f}", f"{rate['theirs']:.2f}",
+                         f"{rate['ours'] / rate['theirs']:.2f}x", f"{got[0].prompt_tokens} / {peer.last['prompt_tokens']}"])  # fmt: skip
+            print("  " + " | ".join(rows[-1]), flush=True)
+        peer.close()
+        del engine
+        gc.collect()
+    print(f"\n{model.name}, {BATCH_TOKENS} tokens, {args.threads} threads each, median of {args.rounds} rounds\n")
+    print("\n".join(S.md_table(head, rows)))
+    return {"openvino": peer.info, "rows": rows, "seconds": seconds}
+
+
 # ---- the CLI ---------------------------------------------------------------------------------------------------
 
 
