@@ -120,11 +120,30 @@ def _vllm(spec: ServerSpec, port: int) -> list[str]:
 
 def _vllm_env(spec: ServerSpec) -> dict[str, str]:
     preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", str(VLLM_VENV / "lib" / "libiomp5.so"))]
+    space = -(-kv_bytes_per_token(Path(spec.model_dir)) * spec.kv_tokens // 2**30) if spec.kv_tokens else 4  # whole GiB
     return {
         "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_KVCACHE_SPACE": str(space),
         "LD_PRELOAD": ":".join(p for p in preload if Path(p).exists()),
     }
+
+
+def kv_bytes_per_token(model_dir: Path, element_bytes: int = 2) -> int:
+    """K and V of every decoder layer for one token (bf16), from the checkpoint's (text) config."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config") or config
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_heads = text.get("num_key_value_heads") or text["num_attention_heads"]
+    return 2 * text["num_hidden_layers"] * kv_heads * head_dim * element_bytes
+
+
+def weight_bytes(spec: ServerSpec) -> int:
+    """Bytes of the files a server loads: a GGUF (+ its --mmproj), or a checkpoint's safetensors / GGUF."""
+    path = Path(spec.model_dir)
+    files = [path] if path.is_file() else [*path.glob("*.safetensors"), *path.glob("*.gguf")]
+    args = list(spec.extra_args)
+    files += [Path(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--mmproj"]
+    return sum(f.stat().st_size for f in files if f.exists())
 
 
 ADAPTERS: dict[str, Adapter] = {
@@ -450,14 +469,16 @@ def shipped_q4_1() -> Path:
 
 def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int | None,
               llama: LlamaCpp | None = None) -> ServerSpec:  # fmt: skip
-    """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack], llama.cpp <GGUF type>,
-    transformers [<dtype>], vllm [<dtype>]. `model` is a models.Model row."""
+    """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack|two-layouts], llama.cpp <GGUF
+    type>, transformers [<dtype>], vllm [<dtype>]. `model` is a models.Model row. A given `kv_tokens` sizes every
+    side's KV (llama.cpp's -c, vLLM's cache space) over the model's own llama.cpp context."""
     base, _, extra = name.partition(" + ")
     peer, _, variant = base.partition(" ")
     dtypes = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32"}
     if peer == "ours":
         quantized = ("--quantization", variant) if variant in ("int4", "int8") else ()
-        flags = ("--no-prepack-weights",) if variant == "no-prepack" else quantized
+        own = {"no-prepack": ("--no-prepack-weights",), "two-layouts": ("--weight-layouts", "two")}
+        flags = own.get(variant, quantized)
         src = shipped_q4_1() if variant == "int4" and model.shipped_q4_1 else hf_dir
         return ServerSpec("ours", str(src), dtypes.get(variant, "auto"), flags, label=name, kv_tokens=kv_tokens)
     if peer == "llama.cpp":
@@ -472,7 +493,7 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from), kind)
         mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
         args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True))) if model.vision else ()
-        ctx = model.llama_ctx(hf_dir, slots) if model.llama_ctx else (kv_tokens or 65_536)
+        ctx = kv_tokens or (model.llama_ctx(hf_dir, slots) if model.llama_ctx else 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
     if peer in ("transformers", "vllm"):

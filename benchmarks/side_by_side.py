@@ -24,6 +24,7 @@ import stats as S
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_DURATION_S, REQUEST_TIMEOUT_S, STARTUP_TIMEOUT_S = 240.0, 900.0, 900.0  # per point, per request, per server
+SETTLE_S = 5.0  # idle after the last request before the steady RSS sample
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,23 @@ SUITES: dict[str, Suite] = {
         tuple(replace(p, model="smolvlm2-500m", min_requests=2) for p in IMAGE_PLANS),
         ("ours", "llama.cpp F32 + mmproj", "llama.cpp BF16 + mmproj"), MULTIMODAL_COLUMNS, kv_tokens=None, memory=True,
     ),  # fmt: skip
+    # Memory, not speed (issue 49): per side a fresh server, 4 fresh 640x480 photos at once (16 tokens each), RSS at
+    # /health, its peak while answering and idle afterwards; every side holds the same 16,384 KV tokens. The
+    # SmolVLM2-500M shape by default; `--model qwen2.5-vl-3b`, `--model qwen2.5-vl-7b --sides ours` for the others.
+    "memory": Suite(
+        (Plan("imagechat", "imagechat", "smolvlm2-500m", (4,), per_slot=1, min_requests=4,
+              overrides={"output_tokens": (16, 16)}),),
+        ("ours", "ours two-layouts", "llama.cpp BF16 + mmproj", "vllm bf16"),
+        (Column("request_throughput", "req/s"), TTFT, Column("ok", "ok / sent", "joined")),
+        kv_tokens=16_384, memory=True,
+    ),  # fmt: skip
+    # Qwen2.5-VL-7B-shaped (issue 49): image chat and the data processor; 32,768 KV tokens a side (llama.cpp's
+    # trained-context default would take 6.8 GiB of KV beside 15.4 GiB of weights on a 24 GiB machine).
+    "llamacpp-qwen2.5-vl-7b": Suite(
+        tuple(Plan(w, w, "qwen2.5-vl-7b", (1, 8), min_requests=2, per_slot=1) for w in ("imagechat", "data")),
+        ("ours", "llama.cpp BF16 + mmproj", "llama.cpp Q4_K_M + mmproj"), MULTIMODAL_COLUMNS,
+        kv_tokens=32_768, memory=True,
+    ),  # fmt: skip
     # vLLM's CPU build (PEERS.md: benchmarks/.vllm-venv): SmolLM2 chat and the data processor, bf16.
     "vllm": Suite(
         (Plan("textchat", "textchat", "smollm2", (1, 16, 64), per_slot=3),
@@ -150,6 +168,7 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
             assert server.proc is not None
             sampler = peers.TreeSampler(server.proc.pid)
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
+                        startup_hwm_bytes=sum(sampler.hwm_bytes.values()), weight_bytes=peers.weight_bytes(spec),
                         command=" ".join(spec.command(server.port)))  # fmt: skip
             print(f"[rep {rep}] {spec.name} on {hf_dir.name}: up in {server.startup_s:.0f} s", flush=True)
             with peers.every(0.2, sampler.sample):
@@ -170,8 +189,9 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
                             points.append({"server": spec.name, "plan": plan.label, "label": p["label"], "rep": rep,
                                            "value": value, "summary": p["summary"], "roofline": p["roofline"]})  # fmt: skip
                         sent += n
-            sampler.sample()
-            info.update(peak_rss_bytes=sampler.peak_bytes, hwm_sum_bytes=sum(sampler.hwm_bytes.values()),
+            time.sleep(SETTLE_S)
+            info.update(rss_steady_bytes=sampler.sample(), peak_rss_bytes=sampler.peak_bytes,
+                        hwm_sum_bytes=sum(sampler.hwm_bytes.values()),
                         kv_log=kv_log_line(server.log_tail(200_000)))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' rows
         print(f"{spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
@@ -297,10 +317,16 @@ def table(suite: Suite, sides: list[str], agg: dict[tuple[str, str, str], dict[s
     return S.md_table(head, rows)
 
 
+MEMORY_COLUMNS = {"weight_bytes": "weights GiB", "startup_hwm_bytes": "start-up peak GiB (Σ VmHWM at /health)",
+                  "rss_after_start_bytes": "RSS idle after start GiB", "peak_rss_bytes": "peak RSS (tree) GiB",
+                  "hwm_sum_bytes": "Σ VmHWM GiB", "rss_steady_bytes": f"steady RSS GiB ({SETTLE_S:.0f} s idle after)"}  # fmt: skip
+
+
 def memory_table(infos: list[dict[str, Any]], tier: str) -> list[str]:
-    head = ["server", "CPU tier", "KV", "start-up s", "RSS after start GiB", "peak RSS (tree) GiB", "Σ VmHWM GiB"]
-    rows = [[i["server"], tier, f"{i.get('kv') or 'default'}; log: {i.get('kv_log', '?')}", S.fmt(i.get("startup_s"), 0),
-             *(S.fmt(i.get(k, float("nan")) / 2**30) for k in ("rss_after_start_bytes", "peak_rss_bytes", "hwm_sum_bytes"))]
+    """Per server: what it loads, its memory at /health, its peak while answering and its RSS idle afterwards."""
+    head = ["server", "CPU tier", "model", "KV", "start-up s", *MEMORY_COLUMNS.values()]
+    rows = [[i["server"], tier, Path(i["model_dir"]).name, f"{i.get('kv') or 'default'}; log: {i.get('kv_log', '?')}",
+             S.fmt(i.get("startup_s"), 0), *(S.fmt(i.get(k, float("nan")) / 2**30, 2) for k in MEMORY_COLUMNS)]
             for i in infos if "error" not in i]  # fmt: skip
     return S.md_table(head, rows)
 

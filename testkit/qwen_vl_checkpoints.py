@@ -4,13 +4,15 @@ Random weights from the real Transformers config classes, the tokenizer trained 
 `testkit.checkpoints` (the Qwen2-VL special tokens and chat template: Qwen2.5-VL and
 Qwen3-VL use the same ones), and each family's own HF processor classes.
 
-    write_qwen2_5_vl(path, preset="tiny" | "bench-3b", seed=0) -> Path
+    write_qwen2_5_vl(path, preset="tiny" | "bench-3b" | "bench-7b", seed=0) -> Path
     write_qwen3_vl(path, preset="tiny" | "tiny-moe", seed=0) -> Path
     cached_qwen2_5_vl(preset, seed=0) / cached_qwen3_vl(preset, seed=0) -> Path
 
 "bench-3b" is Qwen2.5-VL-3B-Instruct's real config (36 x 2048 text layers, the 32-block window-attention
 vision tower) except the vocabulary, which is our small tokenizer's (2,048 tokens instead of 151,936:
-the embedding and the tied LM head are ~0.3B parameters smaller than the real model's).
+the embedding and the tied LM head are ~0.3B parameters smaller than the real model's). "bench-7b" is
+Qwen2.5-VL-7B-Instruct's config, vocabulary size included (152,064 rows, of which our tokenizer names 2,048): 8.3B
+parameters, 15.4 GiB in bf16, written shard by shard (`_write_sharded`) so that building it never holds the model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from testkit.checkpoints import (
     RandomCheckpoint,
     _build_qwen2_vl_tokenizer,
     _init_weights_deterministically,
+    _is_norm_parameter,
+    cached_checkpoint,
     cached_random_checkpoint,
+    start_checkpoint,
     write_random_checkpoint,
 )
 
@@ -62,6 +67,22 @@ QWEN2_5_VL_PRESETS: dict[str, Preset] = {
         "pixels": (3136, 12845056),
         "std": 0.02,
         "dtype": "bfloat16",
+    },
+    # Qwen2.5-VL-7B-Instruct's config.json values (the tower is the 3B's but for its output width).
+    "bench-7b": {
+        "text": {
+            "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+            "num_key_value_heads": 4, "max_position_embeddings": 128000, "mrope_section": [16, 24, 24],
+            "tie_word_embeddings": False, "vocab_size": 152064,
+        },
+        "vision": {
+            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "window_size": 112,
+            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        },
+        "pixels": (3136, 12845056),
+        "std": 0.02,
+        "dtype": "bfloat16",
+        "shard_bytes": 2 << 30,  # _write_sharded: at most one shard of this size in memory
     },
 }
 
@@ -105,9 +126,10 @@ QWEN3_VL_PRESETS: dict[str, Preset] = {
 def _text_config(values: dict[str, Any], token_ids: dict[str, int], rope_theta: float) -> dict[str, Any]:
     values = dict(values)
     mrope_section = values.pop("mrope_section")
+    vocab_size = values.pop("vocab_size", QWEN2_VL_VOCAB_SIZE)  # a real model's rows beyond our tokenizer's
     return {
         **values,
-        "vocab_size": QWEN2_VL_VOCAB_SIZE,
+        "vocab_size": vocab_size,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta, "mrope_section": mrope_section},
@@ -240,8 +262,59 @@ QWEN3_VL = RandomCheckpoint(
 )  # fmt: skip
 
 
+def _write_sharded(row: RandomCheckpoint, path: str | Path, preset: str, seed: int = 0) -> Path:
+    """`write_random_checkpoint` for a model too large to hold twice on a small machine: the model only on the meta
+    device, each parameter drawn as `_init_weights_deterministically` draws it (named_parameters() order, one seeded
+    generator, fp32 x std cast to the save dtype; norms 1 / 0), renamed as `save_pretrained` renames it, and written
+    in safetensors shards of preset["shard_bytes"] with their index: never more than one shard in memory."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    spec = row.presets[preset]
+    out, tokenizer, token_ids = start_checkpoint(path, row.build_tokenizer, row.token_names)
+    config = row.config(spec, token_ids, tokenizer)
+    config.dtype = spec["dtype"]
+    dtype = getattr(torch, spec["dtype"])
+    with torch.device("meta"):
+        model = row.model(config, dtype)
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map: dict[str, str] = {}
+    total = held = 0
+
+    def flush() -> None:
+        name = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+        save_file(shard, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+        shard.clear()
+
+    for name, param in model.named_parameters():  # tied parameters once, as save_pretrained writes them
+        if _is_norm_parameter(name):
+            value = torch.full(param.shape, 1.0 if name.endswith("weight") else 0.0, dtype=dtype)
+        else:
+            value = (torch.randn(param.shape, generator=generator, dtype=torch.float32) * spec["std"]).to(dtype)
+        if shard and held + value.nbytes > spec.get("shard_bytes", 2 << 30):
+            flush()
+            held = 0
+        shard.update(revert_weight_conversion(model, {name: value}))
+        total, held = total + value.nbytes, held + value.nbytes
+    flush()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(str(out))
+    GenerationConfig(do_sample=False, **row.generation(token_ids)).save_pretrained(str(out))
+    row.processor(spec, tokenizer).save_pretrained(str(out))
+    return out
+
+
 def write_qwen2_5_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
-    return write_random_checkpoint(QWEN2_5_VL, path, preset, seed)
+    """A Qwen2.5-VL checkpoint; presets with "shard_bytes" (bench-7b) written shard by shard."""
+    sharded = "shard_bytes" in QWEN2_5_VL_PRESETS.get(preset, {})
+    return (_write_sharded if sharded else write_random_checkpoint)(QWEN2_5_VL, path, preset, seed)
 
 
 def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
@@ -250,7 +323,8 @@ def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
 
 
 def cached_qwen2_5_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_random_checkpoint(QWEN2_5_VL, preset, seed, cache_root)
+    name = f"{QWEN2_5_VL.cache_stem}-{preset}-seed{seed}"  # cached_random_checkpoint's name
+    return cached_checkpoint(name, lambda tmp: write_qwen2_5_vl(tmp, preset, seed), cache_root)
 
 
 def cached_qwen3_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
