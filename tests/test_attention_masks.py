@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -25,6 +26,9 @@ from vlm_engine.attention.reference import paged_attention_reference, paged_atte
 
 IMPLS = [0, 1, 2, 3]  # best, portable loops, AVX-512 without vdpbf16ps, AVX2 (missing ones fall back)
 IMPL_IDS = ["best", "generic", "avx512-no-dpbf16", "avx2"]
+# The op's two kernels: its decode-shaped items for every sequence (0), the flash-attention core for
+# every sequence (1), and the default split by the sequence's query count (-1).
+FLASH_MIN_QUERIES = [0, 1, -1]
 DTYPES = [torch.float32, torch.bfloat16]
 DTYPE_IDS = ["fp32", "bf16"]
 
@@ -176,6 +180,15 @@ def threads():
     torch.set_num_threads(old)
 
 
+def op_runs(ext):
+    """(name, op) for every kernel the fused op has: each impl, each way of sharing out the sequences."""
+    return [
+        (f"impl{impl}-flash{f}", partial(ext.paged_attention, impl=impl, flash_min_queries=f))
+        for impl in IMPLS
+        for f in FLASH_MIN_QUERIES
+    ]
+
+
 def torch_paths():
     return [("reference", paged_attention_reference), ("padded", paged_attention_torch)]
 
@@ -238,8 +251,8 @@ def test_op_matches_oracle(ext, scn, page_size, Hkv, G, dtype):
     args, variants = _cases(scn, page_size, Hkv, G, dtype)
     for window, kv_end in variants:
         expect = dense_oracle(*args, 0.125, window=window, kv_end=kv_end)
-        for impl in IMPLS:
-            check(ext.paged_attention(*args, 0.125, impl=impl, window=window, kv_end=kv_end), expect, dtype)
+        for _, op in op_runs(ext):
+            check(op(*args, 0.125, window=window, kv_end=kv_end), expect, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -255,8 +268,8 @@ def test_other_head_dims(ext, D, dtype):
         (0, random_kv_end(q_lens, kv_lens, rng)),
     ]:
         expect = dense_oracle(*args, D**-0.5, window=window, kv_end=kv_end)
-        for impl in IMPLS:
-            check(ext.paged_attention(*args, D**-0.5, impl=impl, window=window, kv_end=kv_end), expect, dtype)
+        for _, op in op_runs(ext):
+            check(op(*args, D**-0.5, window=window, kv_end=kv_end), expect, dtype)
         for _, fn in torch_paths():
             check(fn(*args, D**-0.5, window=window, kv_end=kv_end), expect, dtype)
 
@@ -270,8 +283,8 @@ def test_arbitrary_kv_end(ext, dtype):
     for window in (0, 3, 40):
         kv_end = random_kv_end(q_lens, kv_lens, rng)
         expect = dense_oracle(*args, 0.125, window=window, kv_end=kv_end)
-        for impl in IMPLS:
-            check(ext.paged_attention(*args, 0.125, impl=impl, window=window, kv_end=kv_end), expect, dtype)
+        for _, op in op_runs(ext):
+            check(op(*args, 0.125, window=window, kv_end=kv_end), expect, dtype)
         for _, fn in torch_paths():
             check(fn(*args, 0.125, window=window, kv_end=kv_end), expect, dtype)
 
@@ -295,8 +308,8 @@ def test_long_sequences_and_kv_split(ext, threads, nthreads, dtype):
             (window, span_kv_end(q_lens, kv_lens, rng, 90)),
         ]:
             expect = dense_oracle(*args, 0.125, window=w, kv_end=kv_end)
-            for impl in IMPLS:
-                check(ext.paged_attention(*args, 0.125, impl=impl, window=w, kv_end=kv_end), expect, dtype)
+            for _, op in op_runs(ext):
+                check(op(*args, 0.125, window=w, kv_end=kv_end), expect, dtype)
             check(paged_attention_reference(*args, 0.125, window=w, kv_end=kv_end), expect, dtype)
 
 
@@ -319,11 +332,7 @@ def test_stale_pages_below_the_window_are_never_read(ext, threads, nthreads, dty
             assert n_stale > 0
             for kv_end in (None, span_kv_end(q_lens, kv_lens, rng)):
                 expect = dense_oracle(*args, 0.125, window=window, kv_end=kv_end)
-                runs = [
-                    (f"impl{impl}", lambda *a, impl=impl, **kw: ext.paged_attention(*a, impl=impl, **kw))
-                    for impl in IMPLS
-                ]
-                for name, fn in runs + torch_paths():
+                for name, fn in op_runs(ext) + torch_paths():
                     clean = fn(*args, 0.125, window=window, kv_end=kv_end)
                     dirty = fn(*stale, 0.125, window=window, kv_end=kv_end)
                     assert torch.isfinite(dirty.float()).all(), name
@@ -340,10 +349,12 @@ def test_default_arguments_are_causal_bit_for_bit(ext, threads, dtype):
     args = make_case(q_lens, kv_lens, 3, 3, 64, 16, dtype, seed=7)
     causal_end = torch.cat([torch.arange(L - ql + 1, L + 1) for ql, L in zip(q_lens, kv_lens)]).int()
     for impl in IMPLS:
-        base = ext.paged_attention(*args, 0.125, None, impl)
-        assert torch.equal(ext.paged_attention(*args, 0.125, impl=impl, window=0, kv_end=None), base)
-        assert torch.equal(ext.paged_attention(*args, 0.125, impl=impl, window=5000), base)
-        assert torch.equal(ext.paged_attention(*args, 0.125, impl=impl, kv_end=causal_end), base)
+        for f in FLASH_MIN_QUERIES:
+            base = ext.paged_attention(*args, 0.125, None, impl, flash_min_queries=f)
+            op = partial(ext.paged_attention, impl=impl, flash_min_queries=f)
+            assert torch.equal(op(*args, 0.125, window=0, kv_end=None), base)
+            assert torch.equal(op(*args, 0.125, window=5000), base)
+            assert torch.equal(op(*args, 0.125, kv_end=causal_end), base)
     for _, fn in torch_paths():
         base = fn(*args, 0.125)
         assert torch.equal(fn(*args, 0.125, window=5000), base)

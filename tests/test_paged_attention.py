@@ -9,12 +9,11 @@ import random
 import pytest
 import torch
 
-from vlm_engine.attention import cpu_kernel
-from vlm_engine.kernels import build
-from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
-from vlm_engine.kernels.cpu_isa import cpu_flags
-
 from tests.kernel_builds import require_extension
+from vlm_engine.attention import cpu_kernel
+from vlm_engine.attention.reference import paged_attention_reference, paged_attention_torch
+from vlm_engine.kernels import build
+from vlm_engine.kernels.cpu_isa import cpu_flags
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -159,28 +158,33 @@ def test_torch_padded_path_matches_reference(scenario):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("page_size,G,D", CONFIGS, ids=[f"ps{p}-G{g}-D{d}" for p, g, d in CONFIGS])
 @pytest.mark.parametrize("scenario", ["decode", "prefill", "mixed"])
-def test_op_matches_reference(ext, scenario, page_size, G, D, dtype):
+@pytest.mark.parametrize("flash_min", [0, 1, -1], ids=["items", "flash-core", "default"])
+def test_op_matches_reference(ext, scenario, page_size, G, D, dtype, flash_min):
+    """flash_min: every sequence on the decode-shaped items, every one on the flash core, or the
+    default split by query count."""
     rng = random.Random(hash((scenario, page_size, G, D)) & 0xFFFF)
     q_lens, kv_lens = _scenario(scenario, page_size, rng)
     Hkv = 2 if G == 4 else 3
     args = make_case(q_lens, kv_lens, Hkv, G, D, page_size, dtype, seed=rng.randrange(1000))
     scale = 1.0 / math.sqrt(D)
     ref = paged_attention_reference(*args, scale)
-    out = ext.paged_attention(*args, scale)
+    out = ext.paged_attention(*args, scale, flash_min_queries=flash_min)
     check_close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("impl", [1, 2, 3], ids=["generic", "avx512-no-dpbf16", "avx2"])
 @pytest.mark.parametrize("D", [64, 128, 80])
-def test_alternative_implementations(ext, impl, D, dtype):
+@pytest.mark.parametrize("flash_min", [0, 1], ids=["items", "flash-core"])
+def test_alternative_implementations(ext, impl, D, dtype, flash_min):
     """Every kernel this build has (an impl it lacks falls back to the next one down): on a Zen 4
     build `impl=3` forces the AVX2 kernels that a Zen 3 machine runs by default."""
     rng = random.Random(11)
     q_lens, kv_lens = _scenario("mixed", 16, rng)
     args = make_case(q_lens, kv_lens, 2, 3, D, 16, dtype, seed=5)
     scale = D**-0.5
-    check_close(ext.paged_attention(*args, scale, impl=impl), paged_attention_reference(*args, scale), dtype)
+    out = ext.paged_attention(*args, scale, impl=impl, flash_min_queries=flash_min)
+    check_close(out, paged_attention_reference(*args, scale), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -203,10 +207,13 @@ def test_edge_single_token(ext, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_long_prefill_with_cached_prefix(ext, dtype):
-    # q_len in the thousands (many query blocks, causal tiles), plus a decode sequence alongside.
+@pytest.mark.parametrize("flash_min", [0, -1], ids=["items", "default"])
+def test_long_prefill_with_cached_prefix(ext, dtype, flash_min):
+    # q_len in the thousands (many query blocks, causal tiles), plus a decode sequence alongside; by
+    # default the long one runs on the flash core, the decode on the items.
     args = make_case([1500, 1], [1800, 700], 2, 3, 64, 16, dtype, seed=2)
-    check_close(ext.paged_attention(*args, 0.125), paged_attention_reference(*args, 0.125), dtype)
+    out = ext.paged_attention(*args, 0.125, flash_min_queries=flash_min)
+    check_close(out, paged_attention_reference(*args, 0.125), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -20,6 +20,13 @@
 // (running max, running sum, unnormalised accumulator) merged afterwards; items too short for
 // that are split per KV head.
 //
+// Long prompts: a sequence with at least flash_min_queries queries in the step (by default 4 for
+// bf16 on vdpbf16ps, 64 otherwise: kFlashMinQueries*) runs on the flash-attention core instead (flash_core.h: K/V packed once from
+// the pages, then query-block x key-block register panels, vdpbf16ps for bf16), with the same
+// bounds (causal, window, kv_end). The items above are shaped for decode: a query row against a
+// tile of keys, ~70-100 GFLOP/s on a 1-4k-token prefill (bf16, Zen 5, one thread) against the
+// flash core's 200-300.
+//
 // Softmax: standard online softmax in the log2 domain (scores are multiplied
 // by scale*log2(e) and exponentiated with exp2), float32 throughout; built
 // without -ffast-math.  bf16 inputs: q.k via vdpbf16ps (exact products, fp32
@@ -43,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "flash_core.h"
 #include "simd_common.h"
 
 namespace {
@@ -61,7 +69,13 @@ using namespace vlm_simd;
 constexpr int kTile = PA_TILE;   // KV positions per tile
 static_assert(kTile % 16 == 0, "kTile must be a multiple of the 16-lane vector width");
 constexpr int kRowsCap = 64;     // target (query token x group head) rows per item
-constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split item
+constexpr int kMinSplit = 256;
+// Queries of one sequence from which it runs on the flash core (see the top), measured on Zen 5, one
+// thread, 9 x 3 heads of 64 and 12 x 2 of 128, 512 and 2,048 cached positions, flash core against
+// these items: bf16 on vdpbf16ps 0.84-1.04x at 2 queries, 1.27-1.52x at 4, 1.66-1.84x at 8,
+// ~2-2.3x from 16; fp32 (AVX-512 and AVX2) and bf16 on AVX2 0.82-1.56x at 8-32, 1.23-1.68x at 64.
+constexpr int64_t kFlashMinQueriesDp = 4;
+constexpr int64_t kFlashMinQueries = 64;   // minimum KV positions per split of a KV-split item
 
 enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2, kAvx2 = 3 };
 
@@ -857,7 +871,7 @@ void merge_group(const Params& P, const MergeGroup& mg) {
 }
 
 template <typename T>
-void run_all(Params& P, int64_t B, int64_t impl) {
+void run_all(Params& P, int64_t B, int64_t impl, int64_t flash_min) {
   const int64_t G = P.G;
   const int32_t Hkv = static_cast<int32_t>(P.Hkv);
   // Query tokens per item: keep (tokens x all query heads) rows around kRowsCap.
@@ -873,7 +887,7 @@ void run_all(Params& P, int64_t B, int64_t impl) {
   for (int64_t b = 0; b < B; ++b) {
     const int32_t qs = P.qsl[b], qe = P.qsl[b + 1];
     const int32_t ql = qe - qs;
-    if (ql <= 0) continue;
+    if (ql <= 0 || (flash_min > 0 && ql >= flash_min)) continue;  // none, or on the flash core
     for (int32_t q0 = qs; q0 < qe; q0 += static_cast<int32_t>(QB)) {
       const int32_t q1 = static_cast<int32_t>(std::min<int64_t>(q0 + QB, qe));
       // The block's KV range: from its first token's lo (the lowest: lo grows with the position)
@@ -994,12 +1008,51 @@ void run_all(Params& P, int64_t B, int64_t impl) {
   }
 }
 
+// The sequences with at least flash_min queries (none if flash_min is 0), on the flash core: one
+// segment each, keys from the pages through the block table.
+template <typename T>
+void run_long_prompts(const Params& P, int64_t B, int64_t impl, int64_t flash_min) {
+  if (flash_min <= 0) return;
+  std::vector<vlm_flash::Segment> segs;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t ql = P.qsl[b + 1] - P.qsl[b];
+    if (ql > 0 && ql >= flash_min) segs.push_back(vlm_flash::Segment{P.qsl[b], ql, P.seq_lens[b], 0, b});
+  }
+  if (segs.empty()) return;
+  vlm_flash::Problem F{};
+  F.q = P.q;
+  F.out = P.out;
+  F.k = P.k;
+  F.v = P.v;
+  F.q_st = P.q_st;
+  F.q_sh = P.q_sh;
+  F.o_st = P.o_st;
+  F.o_sh = P.o_sh;
+  F.k_sp = P.k_sp;
+  F.k_st = P.k_ss;  // a position's row: its slot in the page
+  F.k_sh = P.k_sh;
+  F.v_sp = P.v_sp;
+  F.v_st = P.v_ss;
+  F.v_sh = P.v_sh;
+  F.bt = P.bt;
+  F.bt_stride = P.bt_stride;
+  F.page_size = P.page_size;
+  F.kv_end = P.kv_end;
+  F.window = P.window;
+  F.causal = true;
+  F.Hkv = P.Hkv;
+  F.G = P.G;
+  F.D = P.D;
+  F.c = P.c;
+  vlm_flash::run_segments<T>(F, segs, P.Hkv * P.G, impl);
+}
+
 }  // namespace
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, std::optional<at::Tensor> out,
-                           int64_t impl, int64_t window, std::optional<at::Tensor> kv_end) {
+                           int64_t impl, int64_t window, std::optional<at::Tensor> kv_end, int64_t flash_min_queries) {
   TORCH_CHECK(q.dim() == 3, "q must be [T, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "k_cache/v_cache must be [num_pages, page_size, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
@@ -1107,10 +1160,16 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   P.rows_max = 0;
   P.qb_max = 0;
 
-  if (dt == at::kFloat)
-    run_all<float>(P, B, impl);
-  else
-    run_all<bf16>(P, B, impl);
+  const bool dp = VLM_AVX512BF16 && dt == at::kBFloat16 && impl == kAuto;  // the flash core's vdpbf16ps kernels
+  const int64_t flash_default = dp ? kFlashMinQueriesDp : kFlashMinQueries;
+  const int64_t flash_min = D % 8 == 0 && D <= 512 ? (flash_min_queries < 0 ? flash_default : flash_min_queries) : 0;
+  if (dt == at::kFloat) {
+    run_long_prompts<float>(P, B, impl, flash_min);
+    run_all<float>(P, B, impl, flash_min);
+  } else {
+    run_long_prompts<bf16>(P, B, impl, flash_min);
+    run_all<bf16>(P, B, impl, flash_min);
+  }
   return o;
 }
 
@@ -1174,7 +1233,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention: causal, sliding-window, per-token KV ends (see reference.py for the contract)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("scale"), py::arg("out") = py::none(), py::arg("impl") = 0,
-        py::arg("window") = 0, py::arg("kv_end") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("window") = 0, py::arg("kv_end") = py::none(), py::arg("flash_min_queries") = -1,
+        py::call_guard<py::gil_scoped_release>());
   m.def("store_kv", &store_kv, "Write the step's K/V rows into their cache slots", py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>());
   m.def("build_info", &build_info, "Compile-time ISA features of this build");
