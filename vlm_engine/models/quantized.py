@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["QUANTIZATIONS", "QUANTIZED_DTYPES", "QuantizedLinear", "quantize_linears", "quantized_weights"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # the activations the layers take, and return in that dtype
-GEMM_MIN_ROWS = 4  # the int8 GEMM from here up: 0.47-0.66x quant_panel_linear's time at 4-8 rows, slower at 1-2
+# The int8 GEMM from here up: with its next-strip prefetch, weights cycling through memory (1 thread,
+# 2-core Zen 5), 3072x576 int8 at 1 / 2 / 3 / 4 rows took 65 / 59 / 52 / 57 us against the decode
+# kernel's 63 / 66 / 80 / 92, 1536x8960 418 / 487 / 460 / 525 against 434 / 493 / 664 / 770.
+GEMM_MIN_ROWS = 2
 
 
 class QuantizedLinear(nn.Module):

@@ -211,6 +211,35 @@ struct Ymm {
   static void storef(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
+// The next strip's codes and scales, prefetched a few lines a group over the whole of the current
+// strip's work (every row tile of the chunk; Bresenham, as bf16_dot_gemm's PrefetchStream), so that
+// the memory stream runs beside the dot products: at decode batches every linear's codes come from
+// memory, and without it the tiles waited for them. 1 thread on the 2-core Zen 5, weights cycling
+// through memory, 16 rows, us, before / after / the bf16 dot kernel: 3072x576 210 / 125-165 / 155-170,
+// the 49,152x576 LM head 3,000-3,600 / 2,100-2,800 / 2,300-2,600; 4 rows 100-120 / 60-90 / 105-130
+// (a shared machine: ranges over runs). Into L1 (T0): into L2 (T1) measured slower at K = 576, 1,536
+// and 8,960 alike, though a strip of 8,960 inputs (280 KiB) outgrows L1.
+struct NextStrip {
+  const char* codes = nullptr;
+  int64_t code_lines = 0;
+  const char* scales = nullptr;
+  int64_t scale_lines = 0;
+  int64_t lines = 0;  // code_lines + scale_lines at the start
+  int64_t iters = 1;  // group steps of the current strip's work
+  int64_t credit = 0;
+
+  inline void step() {
+    credit += lines;
+    while (credit >= iters && (code_lines > 0 || scale_lines > 0)) {
+      const char*& at = code_lines > 0 ? codes : scales;
+      _mm_prefetch(at, _MM_HINT_T0);
+      at += 64;
+      --(code_lines > 0 ? code_lines : scale_lines);
+      credit -= iters;
+    }
+  }
+};
+
 // One product's operands: x's rows, the weights, where the output goes.
 struct Problem {
   const Rows* x;
@@ -226,7 +255,7 @@ struct Problem {
 // `ahead`: the bytes from this block's codes to those the next block reads, which the tile prefetches
 // (the first row tile of a block does, spread over its groups, so that they come in while it computes).
 template <class V, int Bits, int MR, int NV>
-void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead) {
+void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead, NextStrip& next) {
   using I = typename V::I;
   using F = typename V::F;
   const int64_t k = p.k, groups = p.groups;
@@ -308,6 +337,7 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
         }
       }
     }
+    next.step();
     F d[NV];
     for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + g * 2 * kPanel);
     for (int r = 0; r < MR; ++r) {
@@ -340,14 +370,15 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
 
 // tile<V, Bits, mr, nv> for 1 <= mr <= MR, 1 <= nv <= NV.
 template <class V, int Bits, int MR, int NV>
-void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead) {
+void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead,
+             NextStrip& next) {
   if constexpr (MR > 1) {
-    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1, ahead);
+    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1, ahead, next);
   }
   if constexpr (NV > 1) {
-    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1, ahead);
+    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1, ahead, next);
   }
-  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead);
+  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead, next);
 }
 
 // Threads take strips of NV vectors of columns. A thread takes x in chunks of rows whose codes stay in
@@ -361,19 +392,32 @@ void run(const Problem& p, int64_t m) {
   const int64_t strips = (p.n + strip_cols - 1) / strip_cols, strip_bytes = strip_cols / kPanel * p.panel_bytes;
   const int64_t rows = std::clamp<int64_t>(kRowChunkBytes / p.k / V::kMR * V::kMR, V::kMR, kRowChunk);
   const int64_t block_groups = std::max<int64_t>(1, kWeightBlockBytes / (strip_cols / kPanel * group_bytes));
+  const int64_t panels = (p.n + kPanel - 1) / kPanel, strip_panels = std::max<int64_t>(1, strip_cols / kPanel);
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < m; r0 += rows) {
       const int64_t r1 = std::min(m, r0 + rows);
       for (int64_t s = begin; s < end; ++s) {
         const int64_t col0 = s * strip_cols;
         const int nv = static_cast<int>(std::min<int64_t>(V::kNV, (p.n - col0 + V::kCols - 1) / V::kCols));
+        // The strip after this one: the next of this thread's, or its first for the next chunk of rows.
+        const int64_t after = s + 1 < end ? s + 1 : (r1 < m ? begin : -1);
+        NextStrip next;
+        if (after >= 0 && after != s) {
+          const int64_t p0 = after * strip_cols / kPanel, np = std::min(strip_panels, panels - p0);
+          next.codes = reinterpret_cast<const char*>(p.codes + p0 * p.panel_bytes);
+          next.code_lines = np * p.panel_bytes / 64;
+          next.scales = reinterpret_cast<const char*>(p.scales + p0 * p.panel_scales);
+          next.scale_lines = np * p.panel_scales * 2 / 64;
+          next.lines = next.code_lines + next.scale_lines;
+          next.iters = (r1 - r0 + V::kMR - 1) / V::kMR * p.groups;
+        }
         for (int64_t g0 = 0; g0 < p.groups; g0 += block_groups) {
           const int64_t g1 = std::min(p.groups, g0 + block_groups);
           // What the next block reads: this strip's next inputs, or the next strip's first ones.
           const int64_t ahead = g1 < p.groups ? (g1 - g0) * group_bytes : (s + 1 < end ? strip_bytes - g0 * group_bytes : 0);
           for (int64_t r = r0; r < r1; r += V::kMR) {
             const int mr = static_cast<int>(std::min<int64_t>(V::kMR, r1 - r));
-            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0);
+            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next);
           }
         }
       }
