@@ -377,3 +377,17 @@ def test_build_failure_returns_none_with_warning(tmp_path, caplog):
         mod = build.build_extension(name="vlm_engine_pa_broken_test", source=bad, build_dir=tmp_path / "b")
     assert mod is None
     assert any("could not build" in r.getMessage() for r in caplog.records)
+
+
+def test_an_edited_local_header_changes_the_build_flags(tmp_path):
+    """torch's loader rebuilds on a change of the sources' or the flags' hash: the local headers a
+    source includes (and theirs) go into the flags, so editing any of them rebuilds."""
+    src = tmp_path / "op.cpp"
+    src.write_text('#include "a.h"\n#include <vector>\nint f() { return A; }\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\n#define A B\n')
+    (tmp_path / "b.h").write_text("#define B 1\n")
+    assert build.local_headers(src) == [tmp_path / "a.h", tmp_path / "b.h"]
+    before = build._headers_flags(src)
+    (tmp_path / "b.h").write_text("#define B 2\n")
+    assert build._headers_flags(src) != before
+    assert build._headers_flags(tmp_path / "b.h") == []  # no local include: no define, flags as before

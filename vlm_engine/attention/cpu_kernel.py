@@ -7,13 +7,16 @@ Usage::
     if op is None:                       # no compiler etc. -> use the torch reference
         from vlm_engine.attention.reference import paged_attention_reference as op
     out = op(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, out=None,
-             window=0, kv_end=None)
+             window=0, kv_end=None, flash_min_queries=-1)
 
 The returned callable is the raw pybind function (lowest call overhead, ~2-3 us); it takes the
 arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` (``window`` and
 ``kv_end`` by keyword: positionally, ``impl`` comes first) plus an optional ``impl`` (0 = best,
 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps, 3 = AVX2 + FMA; for tests; an impl this build
-lacks falls back to the next one down). The module's ``build_info()``
+lacks falls back to the next one down). A sequence with at least ``flash_min_queries`` queries in
+the call runs on the flash-attention core (csrc/flash_core.h: K/V packed from the pages, tiled
+query x key blocks), the rest on the decode-shaped items; -1 picks the measured default (4 for bf16
+on vdpbf16ps, 64 otherwise), 0 never, 1 always (for tests). The module's ``build_info()``
 names the ISA features it was compiled with.
 Metadata tensors (block_table, seq_lens, query_start_loc) must be int32 CPU tensors; q/k/v/out
 float32 or bfloat16 with a contiguous head_dim.  Parallelism uses torch's intra-op thread pool

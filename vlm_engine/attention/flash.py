@@ -1,4 +1,5 @@
-"""Flash attention over packed variable-length sequences on the CPU (our C++ op, `csrc/flash_attention.cpp`).
+"""Flash attention over packed variable-length sequences on the CPU (our C++ op, `csrc/flash_attention.cpp`;
+its core, `csrc/flash_core.h`, also runs the paged op's long prompts with K/V read from the pages).
 
     from vlm_engine.attention.flash import cu_seqlens, load_flash_attention
     op = load_flash_attention()  # the extension module, or None where it does not build
