@@ -149,8 +149,10 @@ def test_bad_values_are_usage_errors(argv: list[str], capsys: pytest.CaptureFixt
 
 
 def test_values_no_flag_can_check_fail_in_the_dataclass() -> None:
-    with pytest.raises(ValueError, match="quantization keeps float32"):
-        parse("--quantization", "int8", "--dtype", "bfloat16")
+    with pytest.raises(ValueError, match="bfloat16 or float32 activations"):
+        parse("--quantization", "int8", "--dtype", "float16")
+    with pytest.raises(ValueError, match="give quantization"):
+        parse("--quantize-vision")
     with pytest.raises(ValueError, match="kv_cache_tokens must hold at least one page"):
         parse("--kv-cache-tokens", "8", "--page-size", "16")
 

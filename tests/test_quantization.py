@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.models.quantized import QuantizedLinear, decoder_bits, quantize_linears
+from vlm_engine.models.quantized import Quantization, QuantizedLinear, decoder_bits, quantize_linears
 from vlm_engine.models.registry import cpu_has_native_bf16, resolve_model
 
 LONG_TEXT = (
@@ -116,11 +116,24 @@ def test_quantize_linears_replaces_decoder_linears(ops) -> None:
         model.lm_head(torch.ones(1, 32, dtype=torch.float16))  # fp32 and bf16 only
 
 
+def test_encoders_are_quantized_only_when_asked() -> None:
+    """Every family's vision encoder (`encoder_modules`: SmolVLM's and Gemma 3's have `.layers.` in
+    their paths too) keeps its dtype unless asked, and is then 8 bits whatever the scheme."""
+    plain = Quantization("int4", encoders=("visual", "vision_model", "connector"))
+    asked = Quantization("int4", vision=True, encoders=plain.encoders)
+    for path in ("vision_model.encoder.layers.0.mlp.fc1", "connector.modality_projection.proj", "visual.blocks.0.qkv"):
+        assert plain.bits(path) is None and asked.bits(path) == 8, path
+    decoder = "model.text_model.layers.0.mlp.down_proj"
+    assert plain.bits(decoder) == asked.bits(decoder) == 4
+
+
 def test_quantization_config_errors(tiny_vlm_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization must be"):
         Engine(str(tiny_vlm_dir), quantization="int3")
     with pytest.raises(ValueError, match="float32 activations"):
         Engine(str(tiny_vlm_dir), quantization="int8", dtype="float16")
+    with pytest.raises(ValueError, match="give quantization"):
+        Engine(str(tiny_vlm_dir), quantize_vision=True)
 
 
 def test_tiny_vlm_runs_quantized_with_an_image(tiny_vlm_dir: Path) -> None:
@@ -154,6 +167,18 @@ def test_a_quantized_model_computes_in_its_dtype(tiny_vlm_dir: Path, dtype: str)
     assert quantized[0](x).dtype == want
 
 
+def test_the_vision_tower_quantized_when_asked(tiny_vlm_dir: Path) -> None:
+    from tests.conftest import make_image
+
+    engine = Engine(str(tiny_vlm_dir), quantization="int4", quantize_vision=True, kv_cache_tokens=1024)
+    tower = [m for m in engine.model.visual.modules() if isinstance(m, QuantizedLinear)]
+    assert tower and all(m.bits == 8 for m in tower)
+    messages = [[{"role": "user", "content": [{"type": "image", "image": make_image(64, 48, 1)},
+                                               {"type": "text", "text": "What is this?"}]}]]  # fmt: skip
+    out = engine.chat(messages, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
 def test_bf16_quantized_codes_come_from_the_checkpoints_values(tiny_vlm_dir: Path) -> None:
     """A bf16 model's quantized linears (the LM head tied to the embedding included) get the codes of
     the checkpoint's own values, the fp32 model's codes, not those of the values rounded to bf16."""
@@ -163,8 +188,8 @@ def test_bf16_quantized_codes_come_from_the_checkpoints_values(tiny_vlm_dir: Pat
     a = {n: m for n, m in fp32.model.named_modules() if isinstance(m, QuantizedLinear)}
     b = {n: m for n, m in bf16.model.named_modules() if isinstance(m, QuantizedLinear)}
     assert a.keys() == b.keys() and "lm_head" in a
-    for name in a:
-        assert torch.equal(a[name].codes, b[name].codes) and torch.equal(a[name].scales, b[name].scales), name
+    for name, layer in a.items():
+        assert torch.equal(layer.codes, b[name].codes) and torch.equal(layer.scales, b[name].scales), name
 
 
 def _perplexity(engine: Engine, text: str) -> float:

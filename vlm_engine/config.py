@@ -216,6 +216,10 @@ class ModelConfig(Section):
             choices=QUANTIZATIONS,
         ),
     )
+    quantize_vision: bool = field(
+        default=False,
+        metadata=doc("with quantization: the vision encoder's linears too, 8 bits (else they keep the model's dtype)"),
+    )
     prepack_weights: bool = field(
         default=True, metadata=doc("fast numerics on CPU: linears in oneDNN's blocked layout (models.prepack)")
     )
@@ -238,6 +242,8 @@ class ModelConfig(Section):
         super().__post_init__()
         if self.quantization and self.dtype == "float16":
             raise ValueError("quantized linears take bfloat16 or float32 activations; dtype 'float16' is neither")
+        if self.quantize_vision and not self.quantization:
+            raise ValueError("quantize_vision quantizes the vision encoder along with the decoder: give quantization")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -36,7 +37,7 @@ from vlm_engine.models.prepack import as_rows, shaped_like
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATIONS", "QUANTIZED_DTYPES", "QuantizedLinear", "quantize_linears", "quantized_weights"]
+__all__ = ["QUANTIZATIONS", "QUANTIZED_DTYPES", "Quantization", "QuantizedLinear", "quantize_linears"]
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # the activations the layers take, and return in that dtype
 # The int8 GEMM from here up: with its next-strip prefetch, weights cycling through memory (1 thread,
@@ -106,22 +107,53 @@ def _bind_rows(
     return rows
 
 
-def decoder_bits(scheme: str, module_path: str) -> int | None:
-    """Bits for the linear at `module_path` under `scheme`, or None to leave it alone."""
-    if module_path.startswith("visual") or ".visual." in module_path:
+@dataclass(frozen=True)
+class Quantization:
+    """What a model quantizes: `scheme`'s bits for the text decoder's linears, 8 for the LM head
+    and, with `vision`, for the media encoders' linears (`encoders`: the model's
+    `encoder_modules`, Qwen2-VL's `visual` always), which stay in the model's dtype otherwise."""
+
+    scheme: str
+    vision: bool = False
+    encoders: tuple[str, ...] = ("visual",)
+
+    @classmethod
+    def of(cls, model: nn.Module, scheme: str, vision: bool = False) -> Quantization:
+        return cls(scheme, vision, tuple(dict.fromkeys(("visual", *getattr(model, "encoder_modules", ())))))
+
+    def bits(self, module_path: str) -> int | None:
+        """Bits for the linear at `module_path`, or None to leave it alone."""
+        padded = f".{module_path}."
+        if any(f".{name}." in padded for name in self.encoders):
+            return 8 if self.vision else None  # a tower is compute-bound: 4 bits would buy accuracy loss only
+        if module_path == "lm_head" or module_path.endswith(".lm_head"):
+            return 8
+        if ".layers." in module_path or module_path.startswith("layers."):
+            return 4 if self.scheme == "int4" else 8
         return None
-    if module_path == "lm_head" or module_path.endswith(".lm_head"):
-        return 8
-    if ".layers." in module_path or module_path.startswith("layers."):
-        return 4 if scheme == "int4" else 8
-    return None
+
+    def weights(self, model: nn.Module) -> frozenset[int]:
+        """The ids of the weights of the linears `quantize_child` replaces, for a model still on the
+        meta device."""
+        return frozenset(
+            id(module.weight)
+            for path, module in model.named_modules()
+            if isinstance(module, nn.Linear) and self.bits(path) is not None and module.in_features % GROUP == 0
+        )
 
 
-def quantize_child(parent: nn.Module, name: str, path: str, scheme: str, ops: ModuleType) -> QuantizedLinear | None:
-    """Replace `parent`'s nn.Linear `name` (at `path` in the model) by a QuantizedLinear if `scheme`
-    quantizes it (`decoder_bits`) and its inputs divide into groups; None where it stays."""
+def decoder_bits(scheme: str, module_path: str) -> int | None:
+    """Bits for the linear at `module_path` under `scheme` (Qwen2-VL's tower left alone), or None."""
+    return Quantization(scheme).bits(module_path)
+
+
+def quantize_child(
+    parent: nn.Module, name: str, path: str, plan: Quantization, ops: ModuleType
+) -> QuantizedLinear | None:
+    """Replace `parent`'s nn.Linear `name` (at `path` in the model) by a QuantizedLinear if `plan`
+    quantizes it and its inputs divide into groups; None where it stays."""
     child = getattr(parent, name)
-    bits = decoder_bits(scheme, path)
+    bits = plan.bits(path)
     if bits is None or not isinstance(child, nn.Linear):
         return None
     if child.in_features % GROUP:
@@ -132,33 +164,24 @@ def quantize_child(parent: nn.Module, name: str, path: str, scheme: str, ops: Mo
     return quantized
 
 
-def quantized_weights(model: nn.Module, scheme: str) -> frozenset[int]:
-    """The ids of the weights of the linears `scheme` quantizes (`quantize_child`'s choice), for
-    a model still on the meta device."""
-    return frozenset(
-        id(module.weight)
-        for path, module in model.named_modules()
-        if isinstance(module, nn.Linear) and decoder_bits(scheme, path) is not None and module.in_features % GROUP == 0
-    )
-
-
-def quantize_linears(model: nn.Module, scheme: str, ops: ModuleType) -> int:
-    """Replace the decoder's nn.Linears (and the LM head) by QuantizedLinears; returns how many (those
-    `prepack.LoadTimePacker` quantized while the weights loaded are counted in the log)."""
+def quantize_linears(model: nn.Module, scheme: str, ops: ModuleType, vision: bool = False) -> int:
+    """Replace the decoder's nn.Linears and the LM head (and with `vision` the media encoders') by
+    QuantizedLinears; returns how many (those `prepack.LoadTimePacker` quantized while the weights
+    loaded are counted in the log)."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {scheme!r}")
     if not ops.quant_linear_vectorized():
         logger.warning("the int%s kernel has no AVX2 build on this CPU: portable loops, slow", scheme[3:])
-    replaced = 0
+    replaced, plan = 0, Quantization.of(model, scheme, vision)
     for path, module in list(model.named_modules()):
         for name, _ in list(module.named_children()):
             child_path = f"{path}.{name}" if path else name
-            replaced += quantize_child(module, name, child_path, scheme, ops) is not None
+            replaced += quantize_child(module, name, child_path, plan, ops) is not None
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     before = sum(m.in_features * m.out_features * 4 for m in quantized)  # their fp32 weights
     after = sum(m.codes.numel() + m.scales.numel() * 2 for m in quantized)
     logger.info(
-        "quantized %d linear layers (%s weight-only, lm_head int8): %.0f -> %.0f MiB",
-        len(quantized), scheme, before / 2**20, after / 2**20,
+        "quantized %d linear layers (%s weight-only, lm_head%s int8): %.0f -> %.0f MiB",
+        len(quantized), scheme, " and vision encoders" if vision else "", before / 2**20, after / 2**20,
     )
     return replaced

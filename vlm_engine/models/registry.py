@@ -30,7 +30,7 @@ from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.family import ModelFamily, VLModel, text_config_of
 from vlm_engine.models.layers import RotaryEmbedding
 from vlm_engine.models.prepack import LoadTimePacker, prepack_linears, prepack_supported
-from vlm_engine.models.quantized import QUANTIZED_DTYPES, quantize_child, quantize_linears, quantized_weights
+from vlm_engine.models.quantized import QUANTIZED_DTYPES, Quantization, quantize_child, quantize_linears
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ def build_model(
     quant_ops: ModuleType | None = None,
     bf16_weights: bool = False,
     weight_layouts: str = "one",
+    quantize_vision: bool = False,
 ) -> VLModel:
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
@@ -227,7 +228,8 @@ def build_model(
     quantizing = bool(quantization) and device.type == "cpu" and dtype in QUANTIZED_DTYPES and quant_ops is not None
     # The linears to be quantized are filled in fp32: their codes come from the checkpoint's values
     # (a Q4_1 GGUF's own), not from those rounded to a bf16 model's dtype.
-    _materialize(model, dtype, quantized_weights(model, quantization) if quantizing and quantization else frozenset())
+    plan = Quantization.of(model, quantization, quantize_vision) if quantizing and quantization else None
+    _materialize(model, dtype, plan.weights(model) if plan is not None else frozenset())
     weights = (
         loader.iter_gguf(source.gguf_path, config)
         if source.gguf_path is not None
@@ -235,7 +237,7 @@ def build_model(
     )
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
-    quantize = functools.partial(quantize_child, scheme=quantization, ops=quant_ops) if quantizing else None
+    quantize = functools.partial(quantize_child, plan=plan, ops=quant_ops) if plan is not None else None
     dot_ops = load_bf16_dot_gemm() if packing and dtype == torch.bfloat16 else None
     encoders = tuple(getattr(model, "encoder_modules", ()))
     pack = LoadTimePacker(model, panel_ops, bf16_weights, dot_ops, weight_layouts, encoders, packing, quantize, dtype)
@@ -245,7 +247,7 @@ def build_model(
             raise ValueError("weight-only quantization runs on CPU, in fp32 or bf16, with the fused-ops extension")
         # Before prepacking (what stays nn.Linear is packed) and before the cast to `dtype` (a linear
         # tied to the embedding is quantized from its fp32 values, then the embedding is cast).
-        quantize_linears(model, quantization, quant_ops)
+        quantize_linears(model, quantization, quant_ops, quantize_vision)
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
     for module in model.modules():

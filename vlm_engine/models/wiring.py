@@ -72,7 +72,7 @@ def wire_model(config: EngineConfig) -> WiredModel:
         quant_ops = (fused or load_fused_ops()) if quantization else None
         return build_model(
             checkpoint, checkpoint_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights,
-            cfg.weight_layouts,
+            cfg.weight_layouts, cfg.quantize_vision,
         )  # fmt: skip
 
     model = build(source, hf_config, cfg.quantization)
