@@ -1,10 +1,9 @@
 """OpenVINO GenAI as an in-process peer (issue 49; /work/shared/PEERS.md, "OpenVINO GenAI as a peer").
 
-`ensure_venv()` builds a venv of its own (optimum-intel 2.2 exports only under Transformers < 5, which ours needs),
-`export()` converts a checkpoint directory offline with optimum-cli (once per checkpoint and weight format), and
-`Worker` runs this file with that venv's python: a ContinuousBatchingPipeline that answers one JSON line (a batch
-of images and a prompt) with one JSON line (its seconds), so that a caller can alternate rounds with our Engine.
-Only the standard library is imported here: the module loads without openvino installed."""
+`ensure_venv()` builds a venv of its own (optimum-intel 2.2 exports only under Transformers < 5), `export()` converts
+a checkpoint offline with optimum-cli (once per checkpoint and weight format), and `Worker` runs this file with that
+venv's python: a ContinuousBatchingPipeline that answers one JSON line (a batch) with one (its seconds), so that a
+caller can alternate rounds with our Engine. Only the standard library is imported here."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ VENV, EXPORTS = CACHE / "openvino-venv", CACHE / "openvino-exports"
 # The CPU torch wheel (optimum-intel needs torch to trace; PyPI's default build drags in the CUDA stack).
 PINS = ("openvino-genai==2026.4.1.0", "optimum-intel[openvino]==2.2.0", "transformers==4.57.6",
         os.environ.get("OPENVINO_VENV_TORCH", "torch==2.13.0+cpu"))  # fmt: skip
-PRECISIONS = ("fp16", "int8", "int4")
 
 
 def ensure_venv() -> Path:
@@ -38,9 +36,8 @@ def ensure_venv() -> Path:
 
 
 def guard_torchvision() -> None:
-    """PyPI's torchvision (which optimum-intel requires) links CUDA torch: under torch+cpu its C++ ops do not load
-    and `import torchvision` raises as it registers them. The exporter needs only its pure-torch parts: import
-    those two modules under a guard (as PEERS.md does for vLLM's venv)."""
+    """PyPI's torchvision (optimum-intel requires it) links CUDA torch: under torch+cpu `import torchvision` raises
+    as it registers its C++ ops. The exporter needs only its pure-torch parts: guard those imports (PEERS.md, vLLM)."""
     names = "    _autograd_registrations,\n    _meta_registrations,\n"
     for init in VENV.glob("lib/python*/site-packages/torchvision/__init__.py"):
         text = init.read_text()
@@ -51,12 +48,14 @@ def guard_torchvision() -> None:
 
 def legacy_copy(src: Path, dst: Path) -> None:
     """`src` as Transformers 4.57 reads it: weights symlinked, Transformers 5's `rope_parameters` written back as
-    `rope_scaling` + `rope_theta` and a list-valued `extra_special_tokens` as `additional_special_tokens`."""
+    `rope_scaling` + `rope_theta`, a list-valued `extra_special_tokens` as `additional_special_tokens`, and the
+    image/video processor configs nested in processor_config.json as files of their own."""
+    edited = ("config.json", "tokenizer_config.json", "processor_config.json")
     dst.mkdir(parents=True)
     for f in src.iterdir():
-        if f.is_file() and f.name not in ("config.json", "tokenizer_config.json"):
+        if f.is_file() and f.name not in edited:
             (dst / f.name).symlink_to(f.resolve())
-    config = json.loads((src / "config.json").read_text())
+    config, tok, processor = (json.loads((src / n).read_text()) if (src / n).exists() else {} for n in edited)
     for level in (config, config.get("text_config", {})):
         rope = level.pop("rope_parameters", None) or config.get("text_config", {}).get("rope_parameters") or {}
         if "rope_theta" in rope:
@@ -64,18 +63,20 @@ def legacy_copy(src: Path, dst: Path) -> None:
         if "mrope_section" in rope:
             level["rope_scaling"] = {"type": "mrope", "mrope_section": rope["mrope_section"]}
     config.get("vision_config", {}).pop("rope_parameters", None)
-    (dst / "config.json").write_text(json.dumps(config, indent=1))
-    tok = json.loads((src / "tokenizer_config.json").read_text())
     if isinstance(tok.get("extra_special_tokens"), list):
         tok["additional_special_tokens"] = tok.pop("extra_special_tokens")
-    (dst / "tokenizer_config.json").write_text(json.dumps(tok, indent=1))
+    files = dict(zip(edited, (config, tok, processor)))
+    for key, name in (("image_processor", "preprocessor_config.json"), ("video_processor", "video_preprocessor_config.json")):
+        if key in processor and not (src / name).exists():
+            files[name] = processor.pop(key)
+    for name, content in files.items():
+        if content:
+            (dst / name).write_text(json.dumps(content, indent=1))
 
 
 def export(checkpoint: Path, precision: str) -> Path:
     """The OpenVINO IR of `checkpoint` with `precision` weights (fp16, int8, int4), exported once into a cache dir
     keyed by the checkpoint's path and the precision."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r}: choose from {', '.join(PRECISIONS)}")
     checkpoint = checkpoint.resolve()
     key = hashlib.sha256(str(checkpoint).encode()).hexdigest()[:8]
     out = EXPORTS / f"{checkpoint.name}-{key}-{precision}"
@@ -99,7 +100,7 @@ def export(checkpoint: Path, precision: str) -> Path:
 class Worker:
     """OpenVINO's ContinuousBatchingPipeline on `export_dir` in a subprocess of the venv's python, `threads` CPU
     threads; `generate(images, prompt, max_tokens)` runs one batch (uint8 HxWx3 .npy files) to exactly
-    `max_tokens` tokens each and returns its seconds."""
+    `max_tokens` tokens each and returns its seconds (wall, CPU time of the worker's threads)."""
 
     def __init__(self, export_dir: Path, threads: int, max_batch: int = 8) -> None:
         self.proc = subprocess.Popen([str(ensure_venv()), __file__, "--worker"], stdin=subprocess.PIPE,
@@ -114,16 +115,14 @@ class Worker:
             raise RuntimeError(f"the OpenVINO worker exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def generate(self, images: list[Path], prompt: str, max_tokens: int) -> float:
+    def generate(self, images: list[Path], prompt: str, max_tokens: int) -> tuple[float, float]:
         self.last = self._ask({"images": [str(p) for p in images], "prompt": prompt, "max_tokens": max_tokens})
         if self.last["tokens"] != max_tokens * len(images):
             raise RuntimeError(f"OpenVINO generated {self.last['tokens']} tokens, not {max_tokens} x {len(images)}")
-        return float(self.last["seconds"])
+        return float(self.last["seconds"]), float(self.last["cpu_s"])
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        self.proc.communicate(timeout=60)  # closes its stdin: the worker's loop ends
 
 
 def worker() -> None:
@@ -148,12 +147,12 @@ def worker() -> None:
         cfg.max_new_tokens = cfg.min_new_tokens = job["max_tokens"]
         cfg.ignore_eos, cfg.do_sample = True, False
         images = [[ov.Tensor(np.load(p)[None])] for p in job["images"]]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         results = pipe.generate([job["prompt"]] * len(images), images=images, generation_config=[cfg] * len(images))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         metrics = results[0].perf_metrics  # one for the whole batch: every request's tokens
         tokens, prompts = int(metrics.get_num_generated_tokens()), int(metrics.get_num_input_tokens())
-        print(json.dumps({"seconds": seconds, "tokens": tokens, "prompt_tokens": prompts}), flush=True)
+        print(json.dumps({"seconds": seconds, "cpu_s": cpu, "tokens": tokens, "prompt_tokens": prompts}), flush=True)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--worker"]:
