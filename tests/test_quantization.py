@@ -242,16 +242,16 @@ def test_smollm2_quantized_perplexity_and_answers() -> None:
 
 
 MORE_TEXTS = (
-    "Bread has been made for thousands of years. The simplest loaf needs only flour, water, salt and yeast. The "
+    ("Bread has been made for thousands of years. The simplest loaf needs only flour, water, salt and yeast. The "
     "baker mixes them into a dough, kneads it until it becomes smooth and elastic, and leaves it in a warm place to "
     "rise. During this time the yeast eats the sugars in the flour and releases gas, which is trapped by the gluten "
     "and makes the dough grow. After shaping, the loaf rises again and is baked in a hot oven until the crust turns "
-    "golden brown and the inside sounds hollow when tapped.",
-    "The city council met on Tuesday evening to discuss the new bicycle lanes. Several residents spoke in favour of "
+    "golden brown and the inside sounds hollow when tapped."),
+    ("The city council met on Tuesday evening to discuss the new bicycle lanes. Several residents spoke in favour of "
     "the plan, saying that safer streets would encourage more people to cycle to work and school. Shop owners on the "
     "main road were worried that removing parking spaces would reduce the number of customers. After two hours of "
     "debate the council agreed to run a six month trial on one street and to collect data on traffic, sales and "
-    "accidents before making a final decision.",
+    "accidents before making a final decision."),
 )
 
 
