@@ -44,6 +44,9 @@ __all__ = [
 
 EXT_NAME = "vlm_engine_paged_attention"
 _SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+# The flash core for long prompts, compiled apart: in paged_attention.cpp's unit its code made the
+# decode items ~6% slower (bf16, batch 32, one thread, Zen 5), the same source without it not.
+_FLASH_SRC = _SRC.with_name("flash_paged.cpp")
 
 
 @functools.cache
@@ -52,7 +55,7 @@ def load_extension_module():
     if cpu_kernels_disabled():
         logger.info("fused CPU paged attention disabled by VLM_ENGINE_DISABLE_CPU_KERNEL")
         return None
-    return build_extension(EXT_NAME, _SRC)
+    return build_extension(EXT_NAME, _SRC, extra_sources=(_FLASH_SRC,))
 
 
 @functools.cache

@@ -107,25 +107,29 @@ def local_headers(source: Path) -> list[Path]:
     return found
 
 
-def _headers_flags(source: Path) -> list[str]:
-    """A define that carries the hash of the source's local headers. torch's loader decides whether to
+def _headers_flags(*sources: Path) -> list[str]:
+    """A define that carries the hash of the sources' local headers. torch's loader decides whether to
     rebuild from the sources' and the flags' hash only, so without it an edited header went unseen."""
-    headers = local_headers(source)
+    headers = sorted({h for source in sources for h in local_headers(source)})
     if not headers:
         return []
-    digest = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(headers))).hexdigest()[:12]
+    digest = hashlib.sha1(b"".join(h.read_bytes() for h in headers)).hexdigest()[:12]
     return [f"-DVLM_ENGINE_HEADERS_SHA={digest}"]
 
 
-def build_extension(name: str, source: Path, build_dir: Path | None = None) -> ModuleType | None:
-    """Build/load the extension (uncached); returns the module, or ``None`` after logging a warning."""
+def build_extension(
+    name: str, source: Path, build_dir: Path | None = None, extra_sources: tuple[Path, ...] = ()
+) -> ModuleType | None:
+    """Build/load the extension (uncached) from `source` (and `extra_sources`, compiled apart and linked
+    in); returns the module, or ``None`` after logging a warning."""
     errors = []
     try:
         from torch.utils.cpp_extension import load
 
         _ensure_ninja_on_path()
         build_dir = Path(build_dir) if build_dir is not None else extension_build_dir(name)
-        headers_flags = _headers_flags(source)
+        sources = [Path(source), *map(Path, extra_sources)]
+        headers_flags = _headers_flags(*sources)
     except Exception as e:  # noqa: BLE001
         logger.warning("C++ extension %s unavailable (%s); using the torch reference", name, e)
         return None
@@ -141,7 +145,7 @@ def build_extension(name: str, source: Path, build_dir: Path | None = None) -> M
             flags_dir.mkdir(parents=True, exist_ok=True)
             return load(
                 name=name,
-                sources=[str(source)],
+                sources=[str(s) for s in sources],
                 extra_cflags=[*flags, *headers_flags],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(flags_dir),

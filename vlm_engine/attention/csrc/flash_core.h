@@ -717,4 +717,8 @@ void run_segments(Problem& P, std::vector<Segment>& segs, int64_t Hq, int64_t im
   dispatch<T>(P, nseg, Hq, impl);
 }
 
+// run_segments for a paged caller, defined in flash_paged.cpp: compiled apart from paged_attention.cpp,
+// whose decode kernels this code slowed when it shared their unit.
+void run_paged_segments(Problem& P, std::vector<Segment>& segs, int64_t Hq, int64_t impl, bool bf16);
+
 }  // namespace vlm_flash

@@ -1044,7 +1044,7 @@ void run_long_prompts(const Params& P, int64_t B, int64_t impl, int64_t flash_mi
   F.G = P.G;
   F.D = P.D;
   F.c = P.c;
-  vlm_flash::run_segments<T>(F, segs, P.Hkv * P.G, impl);
+  vlm_flash::run_paged_segments(F, segs, P.Hkv * P.G, impl, std::is_same_v<T, bf16>);
 }
 
 }  // namespace
