@@ -711,18 +711,13 @@ def layouts(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 # ---- openvino: OpenVINO GenAI's continuous batching beside our Engine (issue 49) --------------------------------
 
-OURS_AT = {"fp16": ("bf16", {"dtype": "bfloat16"}), "int8": ("int8", {"quantization": "int8"}),
-           "int4": ("int4", {"quantization": "int4"})}  # fmt: skip
+OURS_AT = {"fp16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
 
 
-@measurement(
-    "openvino",
-    opt("--model", "bench", "'bench' (the bench Qwen2-VL) or a checkpoint directory"),
-    opt("--precisions", "fp16,int8,int4", "OpenVINO's weight formats; ours at bf16, int8, int4 beside them"),
-    opt("--batches", "8,1"),
-    opt("--rounds", 3, "timed rounds per side and batch (median reported), after one warm-up round each"),
-    opt("--threads", 2, "CPU threads of each side"),
-)
+@measurement("openvino", opt("--model", "bench", "'bench' (the bench Qwen2-VL) or a checkpoint directory"),
+             opt("--precisions", "fp16,int8,int4", "OpenVINO's weight formats; ours at bf16, int8, int4 beside them"),
+             opt("--batches", "8,1"), opt("--threads", 2, "CPU threads of each side"),
+             opt("--rounds", 3, "timed rounds per side and batch (median reported) after a warm-up round"))  # fmt: skip
 def openvino(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Requests/s of our Engine and OpenVINO GenAI's ContinuousBatchingPipeline (benchmarks/openvino_peer.py: its
     own venv, optimum-cli export) in-process: the same fresh 320x240 photos (a new one per request), the placard
@@ -743,8 +738,7 @@ def openvino(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     rows: list[list[str]] = []
     seconds: dict[str, list[float]] = {}  # every round's, the warm-up first
     for precision in args.precisions.split(","):
-        ours_label, options = OURS_AT[precision]
-        engine = build_engine(str(model), max_num_seqs=max(batches), kv_cache_tokens=4096, **options)
+        engine = build_engine(str(model), max_num_seqs=max(batches), kv_cache_tokens=4096, **OURS_AT[precision])
         peer = OV.Worker(OV.export(model, precision), args.threads, max(batches))
         print(f"OpenVINO {peer.info}", flush=True)
         for b in batches:
@@ -754,8 +748,9 @@ def openvino(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 paths = [out / f"image{i}.npy" for i in range(b)]  # theirs: the same pixels, from a file
                 for path, a in zip(paths, arrays):
                     np.save(path, a)
-                chats = [[{"role": "user", "content": [{"type": "image", "image": Image.fromarray(a)},
-                                                       {"type": "text", "text": PLACARD_PROMPT}]}] for a in arrays]  # fmt: skip
+                parts = [[{"type": "image", "image": Image.fromarray(a)}, {"type": "text", "text": PLACARD_PROMPT}]
+                         for a in arrays]  # fmt: skip
+                chats = [[{"role": "user", "content": p}] for p in parts]
                 start, cpu = time.perf_counter(), time.process_time()  # CPU time: what the others' load cannot take
                 got = engine.chat(chats, greedy(BATCH_TOKENS))
                 times["ours"].append(time.perf_counter() - start)
@@ -767,6 +762,7 @@ def openvino(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 path.unlink()
             rate = {k: b / S.median(ts[1:]) for k, ts in times.items()}  # the first round warms up
             seconds |= {f"{k} {precision} batch {b}": [round(t, 3) for t in ts] for k, ts in times.items()}
+            ours_label = OURS_AT[precision].get("quantization", "bf16")
             rows.append([f"{ours_label} / {precision}", str(b)] + [f"{x:.2f}" for c in ("", "_cpu") for x in
                          (rate["ours" + c], rate["theirs" + c], rate["ours" + c] / rate["theirs" + c])]
                         + [f"{got[0].prompt_tokens} / {peer.last['prompt_tokens']}"])  # fmt: skip

@@ -30,20 +30,15 @@ def ensure_venv() -> Path:
     if not done.exists():
         subprocess.run([sys.executable, "-m", "venv", "--clear", str(VENV)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *PINS], check=True)
-        guard_torchvision()
+        # PyPI's torchvision (optimum-intel requires it) links CUDA torch: under torch+cpu `import torchvision`
+        # raises as it registers its C++ ops. The exporter needs only its pure-torch parts: guard those imports.
+        names = "    _autograd_registrations,\n    _meta_registrations,\n"
+        guarded = ("try:\n    from torchvision import _autograd_registrations, _meta_registrations\n"
+                   "except (ImportError, RuntimeError):\n    pass\n\n")
+        for init in VENV.glob("lib/python*/site-packages/torchvision/__init__.py"):
+            init.write_text(init.read_text().replace(names, "").replace("try:\n", guarded + "try:\n", 1))
         done.write_text(" ".join(PINS))
     return python
-
-
-def guard_torchvision() -> None:
-    """PyPI's torchvision (optimum-intel requires it) links CUDA torch: under torch+cpu `import torchvision` raises
-    as it registers its C++ ops. The exporter needs only its pure-torch parts: guard those imports (PEERS.md, vLLM)."""
-    names = "    _autograd_registrations,\n    _meta_registrations,\n"
-    for init in VENV.glob("lib/python*/site-packages/torchvision/__init__.py"):
-        text = init.read_text()
-        if names in text:
-            guarded = "try:\n    from torchvision import _autograd_registrations, _meta_registrations\nexcept RuntimeError:\n    pass\n\n"
-            init.write_text(text.replace(names, "").replace("try:\n", guarded + "try:\n", 1))
 
 
 def legacy_copy(src: Path, dst: Path) -> None:
@@ -66,9 +61,9 @@ def legacy_copy(src: Path, dst: Path) -> None:
     if isinstance(tok.get("extra_special_tokens"), list):
         tok["additional_special_tokens"] = tok.pop("extra_special_tokens")
     files = dict(zip(edited, (config, tok, processor)))
-    for key, name in (("image_processor", "preprocessor_config.json"), ("video_processor", "video_preprocessor_config.json")):
-        if key in processor and not (src / name).exists():
-            files[name] = processor.pop(key)
+    for key, prefix in (("image_processor", ""), ("video_processor", "video_")):
+        if key in processor and not (src / f"{prefix}preprocessor_config.json").exists():
+            files[f"{prefix}preprocessor_config.json"] = processor.pop(key)
     for name, content in files.items():
         if content:
             (dst / name).write_text(json.dumps(content, indent=1))
