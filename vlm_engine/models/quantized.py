@@ -5,7 +5,9 @@ speed: on the 2-core Sapphire Rapids all SmolLM2 linears of a batch-1 step take 
 ~17 ms on bf16 panels, ~7 ms int8 and ~4.5 ms int4 (benchmarks/inproc.py linears). The schemes are
 llama.cpp's Q8_0 and Q4_1 (groups of 32 inputs, fp16 scale and, for int4, fp16 minimum):
 quantizing weights that came from a Q4_1 GGUF file gives back the file's codes, so a llama.cpp
-quantized model is served with the numbers llama.cpp uses. The layers take and return fp32; inside,
+quantized model is served with the numbers llama.cpp uses. The layers take fp32 or bf16 rows (the
+model's dtype: bf16 where the CPU has bf16 dot products) and return their dtype, summing in fp32 and
+rounding once; inside,
 the kernels (the fused-ops extension's `quantize_panels` / `quant_panel_linear`, csrc/fused_ops.cpp)
 round each row of x to int8 per group of 32, as llama.cpp's Q8_0 / Q8_1 activations, and run
 integer dot products. From `GEMM_MIN_ROWS` rows up the product runs on the int8 GEMM instead
@@ -13,12 +15,18 @@ integer dot products. From `GEMM_MIN_ROWS` rows up the product runs on the int8 
 thread, the bench Qwen2-VL's (Qwen2-VL-2B's) linears at 16-1024 rows run at ~450-615 GFLOP/s against
 ~250 for the decode kernel and ~460-520 for the bf16 dot kernel, whose vdpbf16ps issues at twice
 vpdpbusd's rate there; the whole step at 8 rows takes 11 ms against 20 (bf16 12.5), and the
-in-process engine does 2.38 / 1.59 requests/s at batch 8 / 1 with int8 (1.67 / 1.28 before),
-2.45 / 1.94 with int4, 3.03 / 1.42 in bf16 (docs/ARCHITECTURE.md, "Weight-only quantization").
+in-process engine did 2.38 / 1.59 requests/s at batch 8 / 1 with int8 (1.67 / 1.28 before),
+2.45 / 1.94 with int4, 3.03 / 1.42 in bf16 while a quantized model ran everything else in fp32.
+In bf16 (issue 49), with the GEMM's next-strip prefetch, by CPU time on the busy machine: int8 3.10
+/ 1.77, int4 3.03 / 2.03, bf16 2.81 / 1.32, int8 with fp32 activations 2.28 / 1.43; a quieter rerun
+at batch 8: int8 3.16, bf16 2.92, int8 with the tower quantized too 3.15 (docs/ARCHITECTURE.md,
+"Weight-only quantization"). A SmolLM2 decode step at batch 16 (1 thread, CPU ms): int8 17.2, int4
+16.3, bf16 16.7: at 16 rows the int8 products compute no faster than bf16's here.
 
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
-as llama.cpp's Q4 files keep the output projection in Q8_0). The vision tower stays in its dtype:
-it runs once per image, where compute, not weight bytes, is the cost.
+as llama.cpp's Q4 files keep the output projection in Q8_0). The vision encoders stay in the
+model's dtype unless `quantize_vision` (8 bits): they run once per image, where compute, not
+weight bytes, is the cost.
 """
 
 from __future__ import annotations
