@@ -68,22 +68,17 @@ QWEN2_5_VL_PRESETS: dict[str, Preset] = {
         "std": 0.02,
         "dtype": "bfloat16",
     },
-    # Qwen2.5-VL-7B-Instruct's config.json values (the tower is the 3B's but for its output width).
-    "bench-7b": {
-        "text": {
-            "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
-            "num_key_value_heads": 4, "max_position_embeddings": 128000, "mrope_section": [16, 24, 24],
-            "tie_word_embeddings": False, "vocab_size": 152064,
-        },
-        "vision": {
-            "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "window_size": 112,
-            "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
-        },
-        "pixels": (3136, 12845056),
-        "std": 0.02,
-        "dtype": "bfloat16",
-        "shard_bytes": 2 << 30,  # _write_sharded: at most one shard of this size in memory
+}
+# Qwen2.5-VL-7B-Instruct's config.json values: the 3B's tower (but for its output width, the text width), its own
+# text model and vocabulary size.
+QWEN2_5_VL_PRESETS["bench-7b"] = {
+    **QWEN2_5_VL_PRESETS["bench-3b"],
+    "text": {
+        "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "max_position_embeddings": 128000, "mrope_section": [16, 24, 24],
+        "tie_word_embeddings": False, "vocab_size": 152064,
     },
+    "shard_bytes": 2 << 30,  # _write_sharded: at most one shard of this size in memory
 }
 
 QWEN3_VL_PRESETS: dict[str, Preset] = {
