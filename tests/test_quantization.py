@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine import Engine, SamplingParams
-from vlm_engine.models.quantized import Quantization, QuantizedLinear, decoder_bits, quantize_linears
+from vlm_engine.models.quantized import Quantization, QuantizedLinear, quantize_linears
 from vlm_engine.models.registry import cpu_has_native_bf16, resolve_model
 
 LONG_TEXT = (
@@ -97,11 +97,11 @@ def test_quantizing_a_q4_1_gguf_keeps_its_codes(ops) -> None:
 
 
 def test_which_linears_are_quantized() -> None:
-    assert decoder_bits("int4", "model.layers.3.mlp.down_proj") == 4
-    assert decoder_bits("int8", "model.layers.3.mlp.down_proj") == 8
-    assert decoder_bits("int4", "lm_head") == 8  # as llama.cpp's Q4 files keep the output in Q8_0
-    assert decoder_bits("int4", "visual.blocks.0.mlp.fc1") is None
-    assert decoder_bits("int4", "classifier._fc") is None
+    assert Quantization("int4").bits("model.layers.3.mlp.down_proj") == 4
+    assert Quantization("int8").bits("model.layers.3.mlp.down_proj") == 8
+    assert Quantization("int4").bits("lm_head") == 8  # as llama.cpp's Q4 files keep the output in Q8_0
+    assert Quantization("int4").bits("visual.blocks.0.mlp.fc1") is None
+    assert Quantization("int4").bits("classifier._fc") is None
 
 
 def test_quantize_linears_replaces_decoder_linears(ops) -> None:

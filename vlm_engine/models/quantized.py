@@ -150,11 +150,6 @@ class Quantization:
         )
 
 
-def decoder_bits(scheme: str, module_path: str) -> int | None:
-    """Bits for the linear at `module_path` under `scheme` (Qwen2-VL's tower left alone), or None."""
-    return Quantization(scheme).bits(module_path)
-
-
 def quantize_child(
     parent: nn.Module, name: str, path: str, plan: Quantization, ops: ModuleType
 ) -> QuantizedLinear | None:

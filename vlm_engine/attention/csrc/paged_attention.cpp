@@ -21,11 +21,11 @@
 // that are split per KV head.
 //
 // Long prompts: a sequence with at least flash_min_queries queries in the step (by default 4 for
-// bf16 on vdpbf16ps, 64 otherwise: kFlashMinQueries*) runs on the flash-attention core instead (flash_core.h: K/V packed once from
-// the pages, then query-block x key-block register panels, vdpbf16ps for bf16), with the same
-// bounds (causal, window, kv_end). The items above are shaped for decode: a query row against a
-// tile of keys, ~70-100 GFLOP/s on a 1-4k-token prefill (bf16, Zen 5, one thread) against the
-// flash core's 200-300.
+// bf16 on vdpbf16ps, 64 otherwise: kFlashMinQueries*) runs on the flash-attention core instead
+// (flash_core.h: K/V packed once from the pages, then query-block x key-block register panels,
+// vdpbf16ps for bf16), with the same bounds (causal, window, kv_end). The items above are shaped
+// for decode: a query row against a tile of keys, ~70-100 GFLOP/s on a 1-4k-token prefill (bf16,
+// Zen 5, one thread) against the flash core's 200-300.
 //
 // Softmax: standard online softmax in the log2 domain (scores are multiplied
 // by scale*log2(e) and exponentiated with exp2), float32 throughout; built
@@ -69,13 +69,13 @@ using namespace vlm_simd;
 constexpr int kTile = PA_TILE;   // KV positions per tile
 static_assert(kTile % 16 == 0, "kTile must be a multiple of the 16-lane vector width");
 constexpr int kRowsCap = 64;     // target (query token x group head) rows per item
-constexpr int kMinSplit = 256;
+constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split item
 // Queries of one sequence from which it runs on the flash core (see the top), measured on Zen 5, one
 // thread, 9 x 3 heads of 64 and 12 x 2 of 128, 512 and 2,048 cached positions, flash core against
 // these items: bf16 on vdpbf16ps 0.84-1.04x at 2 queries, 1.27-1.52x at 4, 1.66-1.84x at 8,
 // ~2-2.3x from 16; fp32 (AVX-512 and AVX2) and bf16 on AVX2 0.82-1.56x at 8-32, 1.23-1.68x at 64.
 constexpr int64_t kFlashMinQueriesDp = 4;
-constexpr int64_t kFlashMinQueries = 64;   // minimum KV positions per split of a KV-split item
+constexpr int64_t kFlashMinQueries = 64;
 
 enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2, kAvx2 = 3 };
 
