@@ -15,8 +15,8 @@ arguments of :func:`vlm_engine.attention.reference.paged_attention_reference` (`
 1 = portable C++ loops, 2 = AVX-512 without vdpbf16ps, 3 = AVX2 + FMA; for tests; an impl this build
 lacks falls back to the next one down). A sequence with at least ``flash_min_queries`` queries in
 the call runs on the flash-attention core (csrc/flash_core.h: K/V packed from the pages, tiled
-query x key blocks), the rest on the decode-shaped items; -1 picks the measured default (4 for bf16
-on vdpbf16ps, 64 otherwise), 0 never, 1 always (for tests). The module's ``build_info()``
+query x key blocks), the rest on the decode-shaped items; -1 picks the default (64: see
+paged_attention.cpp's kFlashMinQueries for why bf16 waits as long as fp32), 0 never, 1 always (for tests). The module's ``build_info()``
 names the ISA features it was compiled with.
 Metadata tensors (block_table, seq_lens, query_start_loc) must be int32 CPU tensors; q/k/v/out
 float32 or bfloat16 with a contiguous head_dim.  Parallelism uses torch's intra-op thread pool

@@ -20,8 +20,8 @@
 // (running max, running sum, unnormalised accumulator) merged afterwards; items too short for
 // that are split per KV head.
 //
-// Long prompts: a sequence with at least flash_min_queries queries in the step (by default 4 for
-// bf16 on vdpbf16ps, 64 otherwise: kFlashMinQueries*) runs on the flash-attention core instead
+// Long prompts: a sequence with at least flash_min_queries queries in the step (by default 64:
+// kFlashMinQueries) runs on the flash-attention core instead
 // (flash_core.h: K/V packed once from the pages, then query-block x key-block register panels,
 // vdpbf16ps for bf16), with the same bounds (causal, window, kv_end). The items above are shaped
 // for decode: a query row against a tile of keys, ~70-100 GFLOP/s on a 1-4k-token prefill (bf16,
@@ -74,7 +74,9 @@ constexpr int kMinSplit = 256;   // minimum KV positions per split of a KV-split
 // thread, 9 x 3 heads of 64 and 12 x 2 of 128, 512 and 2,048 cached positions, flash core against
 // these items: bf16 on vdpbf16ps 0.84-1.04x at 2 queries, 1.27-1.52x at 4, 1.66-1.84x at 8,
 // ~2-2.3x from 16; fp32 (AVX-512 and AVX2) and bf16 on AVX2 0.82-1.56x at 8-32, 1.23-1.68x at 64.
-constexpr int64_t kFlashMinQueriesDp = 4;
+// bf16 also waits for 64: the core rounds P to bf16 for its P.V product, and on SmolLM2's real
+// weights with short chat prompts (20-50 tokens) that doubled the worst top-5 log-prob error against
+// fp32 (0.125 -> 0.246 nats, plain torch ops); on ~800-token prompts it was no worse (0.12 -> 0.07).
 constexpr int64_t kFlashMinQueries = 64;
 
 enum Impl : int64_t { kAuto = 0, kGeneric = 1, kAvx512NoDpbf16 = 2, kAvx2 = 3 };
@@ -1160,9 +1162,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   P.rows_max = 0;
   P.qb_max = 0;
 
-  const bool dp = VLM_AVX512BF16 && dt == at::kBFloat16 && impl == kAuto;  // the flash core's vdpbf16ps kernels
-  const int64_t flash_default = dp ? kFlashMinQueriesDp : kFlashMinQueries;
-  const int64_t flash_min = D % 8 == 0 && D <= 512 ? (flash_min_queries < 0 ? flash_default : flash_min_queries) : 0;
+  const int64_t flash_min = D % 8 == 0 && D <= 512 ? (flash_min_queries < 0 ? kFlashMinQueries : flash_min_queries) : 0;
   if (dt == at::kFloat) {
     run_long_prompts<float>(P, B, impl, flash_min);
     run_all<float>(P, B, impl, flash_min);
