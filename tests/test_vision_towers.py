@@ -13,8 +13,8 @@ from torch import nn
 
 from vlm_engine.models.families.qwen2_5_vl import vision as qwen25_vision
 from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
-from vlm_engine.models.families.qwen3_vl import vision as qwen3_vision
-from vlm_engine.models.families.qwen3_vl.vision import Qwen3VisionTower
+from vlm_engine.models import qwen3_vision
+from vlm_engine.models.qwen3_vision import Qwen3VisionTower
 
 # Odd sizes: windows cut short at the right and bottom edges (Qwen2.5: 2x2-group windows of 16
 # patches here), several images of different lengths in one call, a video of 3 frames.

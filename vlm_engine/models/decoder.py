@@ -234,7 +234,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.text_config = text_config
-        self.model = DecoderModel(text_config, qkv_bias, mrope_section, **decoder_options)
+        self.model = self.build_decoder(text_config, qkv_bias, mrope_section, **decoder_options)
         self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
         # A VLM's own flag decides, as in Transformers (Qwen3-VL-MoE's text config defaults to tied while the
         # model is not); a text model's config is its text config.
@@ -242,6 +242,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.position_axes = 3 if mrope_section else 1  # M-RoPE: (t, h, w) positions per token
         self.vocab_size = int(text_config.vocab_size)
+
+    def build_decoder(
+        self, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None, **decoder_options: Any
+    ) -> nn.Module:
+        """The decoder stack under `model`; a family whose layers are not `DecoderLayer`s (Qwen3.5's
+        linear-attention layers) returns its own, with the same `embed_tokens` / `layers` / `norm` names."""
+        return DecoderModel(text_config, qkv_bias, mrope_section, **decoder_options)
 
     @property
     def num_layers(self) -> int:

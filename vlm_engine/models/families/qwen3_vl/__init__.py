@@ -3,7 +3,7 @@ interleaved M-RoPE) with DeepStack visual features in its first layers, a learne
 tower with 16-px patches, and its HF processor (videos as timestamped frame groups)."""
 
 from vlm_engine.models.family import ModelFamily
-from vlm_engine.models.families.qwen3_vl.prompts import Qwen3VLPrompts
+from vlm_engine.models.qwen3_vl_prompts import Qwen3VLPrompts
 
 FAMILY = ModelFamily(
     name="qwen3_vl",

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlm_engine.models.layers import GatedMLP
-from vlm_engine.models.families.qwen3_vl.vision import Qwen3VisionTower
+from vlm_engine.models.moe import SparseMoE
+from vlm_engine.models.qwen3_vision import Qwen3VisionTower
 from vlm_engine.models.qwen_vl import QwenVLForConditionalGeneration
 
 
@@ -65,40 +65,3 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
             if tensor.shape != expected and tensor.transpose(1, 2).shape == expected:
                 return tensor.transpose(1, 2)
         return tensor
-
-
-class SparseExperts(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-
-
-class SparseMoE(nn.Module):
-    """Top-k softmax routing over SiLU-gated experts, renormalized over the chosen k. Sums in
-    Transformers' order (experts ascending, index_add_ into zeros) so fp32 outputs match it exactly;
-    each expert runs on the rows routed to it only."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = SparseExperts(hidden_size, intermediate_size, num_experts)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
-        out = torch.zeros_like(x)
-        # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
-        routed = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        for expert in routed.sum(dim=(1, 2)).nonzero().flatten().tolist():
-            slot, token = torch.where(routed[expert])
-            gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, h)
-        return out
-

@@ -1,6 +1,7 @@
-"""Qwen3-VL's vision tower (also Qwen3-VL-MoE's): a learned position table resampled to each grid,
-full attention per image / video frame, LayerNorm + GELU MLP blocks, 2-D rotary positions, the
-2x2 patch merger, and DeepStack mergers on the outputs of chosen blocks.
+"""Qwen3-VL's vision tower (also Qwen3-VL-MoE's, and Qwen3.5's, which has no DeepStack): a learned
+position table resampled to each grid, full attention per image / video frame, LayerNorm + GELU MLP
+blocks, 2-D rotary positions, the 2x2 patch merger, and DeepStack mergers on the outputs of chosen
+blocks (none where the config names none).
 
 Parameter names are those of Transformers' `Qwen3VLVisionModel`, so a checkpoint's `visual.*`
 tensors load by name. In float32 every op runs as Transformers runs it, on tensors of the same
@@ -132,7 +133,8 @@ class Qwen3VisionTower(nn.Module):
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         merge = cfg.spatial_merge_size
         self.merger = PatchMerger(cfg.hidden_size, cfg.out_hidden_size, merge, postshuffle=False)
-        self.deepstack_visual_indexes = list(cfg.deepstack_visual_indexes)
+        # Qwen3.5's vision config has no such field: no DeepStack features
+        self.deepstack_visual_indexes = list(getattr(cfg, "deepstack_visual_indexes", None) or [])
         self.deepstack_merger_list = nn.ModuleList(
             [
                 PatchMerger(cfg.hidden_size, cfg.out_hidden_size, merge, postshuffle=True)
