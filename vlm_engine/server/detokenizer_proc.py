@@ -5,17 +5,27 @@ incremental text, stop strings and held-back partial ones, incomplete UTF-8, log
 completion token counts). When a stop string ends a request it reports "stop" to the API at once
 and tells the core to finish the request (the core then frees its pages); tokens the core produced
 in between are dropped.
+
+It imports neither torch nor Transformers (~0.7 GiB of RSS they cost here): its tokenizer is the
+`tokenizers` library's alone, published by the first preprocess worker that loaded the model's full
+one (`publish_decode_tokenizer`; `vlm_engine.detokenizer.DecodeTokenizer`). A tokenizer that cannot
+be held that way exactly is loaded in full here, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
 from vlm_engine import ipc
+from vlm_engine.detokenizer import DecodeTokenizer, decode_tokenizer
 from vlm_engine.output_processor import OutputProcessor
 from vlm_engine.server.config import ServerConfig
 from vlm_engine.server.procs import init_child, serve_forever
@@ -31,10 +41,50 @@ def load_tokenizer(model: str) -> Any:
     return prompt_processor(source, load_config(source)).tokenizer
 
 
+def decode_tokenizer_path(paths: ipc.IpcPaths) -> Path:
+    return paths.root / "decode-tokenizer.json"
+
+
+def publish_decode_tokenizer(tokenizer: Any, paths: ipc.IpcPaths) -> None:
+    """Called by each preprocess worker once its processor is loaded; the first one writes what the
+    detokenizer loads (a worker restarted later finds it there). An atomic rename: the detokenizer
+    never reads half a file."""
+    target = decode_tokenizer_path(paths)
+    if target.exists():
+        return
+    try:
+        light = decode_tokenizer(tokenizer)
+    except Exception:
+        logger.exception("could not build the detokenizer's light tokenizer")
+        light = None
+    if light is None:
+        logger.info("the detokenizer loads the full tokenizer (%s decodes its own way)", type(tokenizer).__name__)
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    tmp.write_text(light.to_json() if light is not None else '{"tokenizer": null}')
+    os.replace(tmp, target)
+
+
+def await_decode_tokenizer(paths: ipc.IpcPaths, model: str, keep_going: Callable[[], bool]) -> Any:
+    """The published tokenizer (None if the parent died first); the full one where none could be
+    published. Nothing reaches the detokenizer before a worker has prepared a prompt, so waiting
+    here delays no request."""
+    target = decode_tokenizer_path(paths)
+    while not target.exists():
+        if not keep_going():
+            return None
+        time.sleep(0.05)
+    light = DecodeTokenizer.from_json(target.read_text())
+    return light if light is not None else load_tokenizer(model)
+
+
 def run_detokenizer(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
-    init_child("vlm-detok", config.process.log_level, side=True, nice=config.process.side_process_nice)
-    proc = DetokenizerProcess(load_tokenizer(config.engine.model.model), paths)
+    init_child(
+        "vlm-detok", config.process.log_level, side=True, nice=config.process.side_process_nice, uses_torch=False
+    )
+    proc = DetokenizerProcess(
+        paths, lambda keep_going: await_decode_tokenizer(paths, config.engine.model.model, keep_going)
+    )
     serve_forever("detokenizer", proc.run, proc.close)
 
 
@@ -94,8 +144,8 @@ class Detokenizer:
 
 
 class DetokenizerProcess:
-    def __init__(self, tokenizer: Any, paths: ipc.IpcPaths) -> None:
-        self.logic = Detokenizer(tokenizer)
+    def __init__(self, paths: ipc.IpcPaths, tokenizer: Callable[[Callable[[], bool]], Any]) -> None:
+        self._tokenizer = tokenizer  # called in `run` (it may wait for a worker): keep_going -> tokenizer
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(paths.detokenizer)
@@ -113,7 +163,12 @@ class DetokenizerProcess:
         self.ctx.destroy(linger=0)
 
     def run(self, keep_going: Any) -> None:
-        logger.info("detokenizer ready")
+        tokenizer = self._tokenizer(keep_going)
+        if tokenizer is None:
+            logger.warning("parent process is gone; detokenizer exiting")
+            return
+        logic = Detokenizer(tokenizer)
+        logger.info("detokenizer ready (%s)", type(tokenizer).__name__)
         while True:
             if not self.inbox.poll(500):
                 if not keep_going():
@@ -133,7 +188,7 @@ class DetokenizerProcess:
                 if isinstance(msg, (ipc.CoreReady, ipc.ProfileDone)):
                     self.to_api.send_multipart(ipc.encode(msg))
                     continue
-                out, stop_ids = self.logic.process(msg)
+                out, stop_ids = logic.process(msg)
                 merged.deltas.extend(out.deltas)
                 merged.errors.extend(out.errors)
                 merged.stats = out.stats or merged.stats

@@ -27,6 +27,7 @@ from vlm_engine import ipc
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.server.config import ServerConfig
+from vlm_engine.server.detokenizer_proc import publish_decode_tokenizer
 from vlm_engine.server.procs import init_child, serve_forever
 from vlm_engine.structured.spec import StructuredOutput, StructuredOutputError
 
@@ -40,6 +41,7 @@ def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int)
 
     source = resolve_model(config.engine.model.model)
     processor = prompt_processor(source, load_config(source), config.engine.media)  # as the in-process Engine's
+    publish_decode_tokenizer(processor.tokenizer, paths)  # what the (torch-free) detokenizer waits for
     checker = ConstraintChecker(processor)
     if config.process.warmup:
         checker.compiler  # noqa: B018 - build the tokenizer index before the first request needs it
@@ -181,7 +183,9 @@ class TokenizeJobs:
 
 
 class PreprocessWorker:
-    def __init__(self, processor: Any, paths: ipc.IpcPaths, index: int, checker: ConstraintChecker | None = None) -> None:
+    def __init__(
+        self, processor: Any, paths: ipc.IpcPaths, index: int, checker: ConstraintChecker | None = None
+    ) -> None:
         self.processor = processor
         self.checker = checker or ConstraintChecker(processor)
         self.jobs = TokenizeJobs(processor)

@@ -8,7 +8,8 @@ group; the parent decides the shutdown order) and exits cleanly on SIGTERM.
 Side processes (API, preprocess, detokenizer) run at a lower priority (nice 10 by default, see
 `ServerConfig.process.side_process_nice`) with one torch thread: on a small CPU box a side process
 competing at full priority made a 2-thread engine step up to 3.8x slower (shared/CPU-PERF.md);
-the engine core keeps normal priority and all of torch's threads.
+the engine core keeps normal priority and all of torch's threads. A side process that needs no
+torch (the detokenizer) never imports it: torch alone is ~0.5 GiB of RSS in each process.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-def init_child(name: str, log_level: str, side: bool, nice: int = 10) -> None:
-    """First thing a child does: name, lifetime tied to the parent, signals, priority, threads."""
+def init_child(name: str, log_level: str, side: bool, nice: int = 10, uses_torch: bool = True) -> None:
+    """First thing a child does: name, lifetime tied to the parent, signals, priority, threads
+    (`uses_torch`: a side child gets one torch thread; without it torch stays unimported)."""
     die_with_parent(signal.SIGKILL)
     set_process_name(name)
     multiprocessing.current_process().name = name
@@ -75,6 +77,7 @@ def init_child(name: str, log_level: str, side: bool, nice: int = 10) -> None:
     setup_logging(log_level)
     if side:
         lower_priority(nice)
+    if side and uses_torch:
         import torch
 
         torch.set_num_threads(1)
