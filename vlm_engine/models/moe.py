@@ -43,4 +43,3 @@ class SparseMoE(nn.Module):
             h = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
             out.index_add_(0, token, h)
         return out
-

@@ -1,0 +1,99 @@
+"""Deterministic, offline Qwen3.5 and Qwen3.5-MoE checkpoints for tests: random weights from the real
+Transformers config classes (`Qwen3_5Config`, `Qwen3_5MoeConfig`), the tokenizer and chat template of
+`testkit.checkpoints` (Qwen2-VL's special tokens, as Qwen3-VL's), and Qwen3-VL's processor classes.
+
+    write_qwen3_5(path, preset="tiny" | "tiny-moe", seed=0) -> Path
+    cached_qwen3_5(preset, seed=0) -> Path
+
+The layer mixes are their own: "tiny" alternates linear and full attention ([linear, full, linear, full]),
+"tiny-moe" is Qwen3.5's 3:1 ([linear, linear, linear, full]). Rotary on a quarter of each 64-wide head
+(the released `partial_rotary_factor`), interleaved M-RoPE over its 8 frequencies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from testkit.checkpoints import RandomCheckpoint, cached_random_checkpoint, write_random_checkpoint
+from testkit.qwen_vl_checkpoints import _SHARED, Preset, _media_token_ids, _qwen3_vl_processor, _text_config
+
+LINEAR, FULL = "linear_attention", "full_attention"
+_TEXT = {
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096, "mrope_section": [2, 3, 3],
+    "tie_word_embeddings": False, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+}  # fmt: skip
+_VISION = {"depth": 3, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4, "num_position_embeddings": 64}
+
+QWEN3_5_PRESETS: dict[str, Preset] = {
+    "tiny": {
+        "text": {**_TEXT, "layer_types": [LINEAR, FULL, LINEAR, FULL]},
+        "vision": _VISION,
+        "pixels": (4 * 32 * 32, 64 * 32 * 32),
+        "std": 0.2,
+        "dtype": "float32",
+    },
+    # Qwen3.5-35B-A3B's MLP, tiny: 8 routed experts (top 2) and a gated shared expert in every layer.
+    "tiny-moe": {
+        "text": {
+            **_TEXT, "layer_types": [LINEAR, LINEAR, LINEAR, FULL], "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48, "shared_expert_intermediate_size": 64,
+        },
+        "vision": _VISION,
+        "pixels": (4 * 32 * 32, 64 * 32 * 32),
+        "std": 0.2,
+        "dtype": "float32",
+    },
+}  # fmt: skip
+
+
+def qwen3_5_config(preset: Preset, token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+    moe = "num_experts" in preset["text"]
+    text = _text_config(preset["text"], token_ids, 10000000.0)
+    text["rope_parameters"].update(mrope_interleaved=True, partial_rotary_factor=0.25)  # as the released configs
+    vision = {
+        **preset["vision"],
+        "hidden_act": "gelu_pytorch_tanh",
+        "out_hidden_size": text["hidden_size"],
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+    }
+    config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
+    architecture = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
+    return config_class(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=text["tie_word_embeddings"],
+        architectures=[architecture],
+        **_media_token_ids(token_ids),
+    )
+
+
+def _qwen3_5_model(config: Any, dtype: Any) -> Any:
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+
+    moe = config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
+    return (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration)._from_config(
+        config, dtype=dtype
+    )
+
+
+QWEN3_5 = RandomCheckpoint(
+    "qwen3.5", QWEN3_5_PRESETS, config=lambda spec, ids, _: qwen3_5_config(spec, ids),
+    model=_qwen3_5_model, processor=_qwen3_vl_processor, **_SHARED,
+)  # fmt: skip
+
+
+def write_qwen3_5(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
+    """Qwen3.5, or with preset "tiny-moe" Qwen3.5-MoE."""
+    return write_random_checkpoint(QWEN3_5, path, preset, seed)
+
+
+def cached_qwen3_5(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_random_checkpoint(QWEN3_5, preset, seed, cache_root)
