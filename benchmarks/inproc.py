@@ -334,7 +334,12 @@ def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed
     return model.eval().requires_grad_(False)
 
 
-@measurement("vision")
+@measurement(
+    "vision",
+    opt("--sizes", "448x448,1024x768", "image sizes, WxH"),
+    opt("--dtypes", "bfloat16,float32", "bfloat16 runs only where the CPU has bf16 dot products"),
+    opt("--threads", 2),
+)
 def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Ours (plain and prepacked) and Transformers' tower in the engine's default CPU dtype, then both in fp32;
     median and minimum of 3 runs after a warm-up, the variants taking turns. ratio = time / Transformers'."""
@@ -346,7 +351,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     from vlm_engine.kernels.cpu_isa import has_native_bf16
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     cfg = Qwen2_5_VLVisionConfig(**VISION_3B)
     cfg._attn_implementation = "sdpa"
     from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
@@ -358,12 +363,13 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         norm = "norm" in name or "ln_q" in name
         state[name] = (1.0 + 0.05 * torch.randn(shape, generator=g)) if norm else 0.02 * torch.randn(shape, generator=g)
     inputs = {}
-    for w, h in ((448, 448), (1024, 768)):
-        size = f"{w}x{h}"
+    for size in args.sizes.split(","):
+        w, h = (int(side) for side in size.split("x"))
         image = Image.fromarray(np.random.RandomState(0).randint(0, 255, (h, w, 3), dtype=np.uint8))
         px = Qwen2VLImageProcessor()(images=[image], return_tensors="pt")
         inputs[f"{size} ({px['pixel_values'].shape[0]} patches)"] = (px["pixel_values"], px["image_grid_thw"])
-    dtypes = [torch.bfloat16, torch.float32] if has_native_bf16() else [torch.float32]
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    dtypes = [dt for dt in dtypes if dt != torch.bfloat16 or has_native_bf16()]
     rows = []
     for dt in dtypes:
         towers = {"Transformers": vision_tower(cfg, state, dt, ours=False),
@@ -384,7 +390,7 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         del towers
         gc.collect()
     head = ["image", "dtype", "tower", "median ms", "min ms", "ratio (median)", "ratio (min)"]
-    print(f"\nQwen2.5-VL-3B vision tower, 2 threads, median of {VISION_REPEATS}\n")
+    print(f"\nQwen2.5-VL-3B vision tower, {args.threads} threads, median of {VISION_REPEATS}\n")
     print("\n".join(S.md_table(head, rows)))
     return {"rows": rows}
 
