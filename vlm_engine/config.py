@@ -262,6 +262,14 @@ class CacheConfig(Section):
         ),
     )
     enable_prefix_cache: bool = field(default=True, metadata=doc("reuse the KV pages of a prompt's cached prefix"))
+    state_snapshots: int = field(
+        default=16,
+        metadata=doc(
+            "models with linear-attention layers: prefix-cache snapshots of their per-sequence state kept "
+            "(each as large as one request's state; a prefix hit resumes only where one was kept; 0: no hits)",
+            check=at_least(0),
+        ),
+    )
     disable_sliding_window: bool = field(
         default=False,
         metadata=doc(

@@ -5,6 +5,7 @@ the part of the device's memory the engine must leave; CPU: a fraction of MemAva
 Sliding-window layers keep their KV in a pool of their own (scheduler/window.py): it gets enough
 pages for every seat to hold its window plus one step's prefill, and the full-attention pool the
 rest of the budget; when memory is tighter than that, both pools get the same number of pages.
+Linear-attention layers' state slots (cache/state_pool.py) come out of the same budget first.
 """
 
 from __future__ import annotations
@@ -40,17 +41,24 @@ def size_kv_pools(
     cache: CacheConfig,
     scheduling: SchedulingConfig,
     device: torch.device,
+    state_bytes: int = 0,
 ) -> KVPools:
     """The pools for KV of `token_bytes` per token in the full-attention layers and
-    `window_token_bytes` in the sliding-window layers (0: none), whose longest window is `max_window`."""
+    `window_token_bytes` in the sliding-window layers (0: none), whose longest window is `max_window`;
+    `state_bytes` of state slots are taken from the budget first."""
     ps = cache.page_size
     full_bytes, window_bytes = token_bytes * ps, window_token_bytes * ps
     window_cap = window_pool_pages(max_window, ps, scheduling) if window_bytes else 0
     if cache.kv_cache_tokens is not None:
         num_pages = -(-cache.kv_cache_tokens // ps)
         return KVPools(num_pages, min(num_pages, window_cap), full_bytes, window_bytes)
-    budget = _memory_budget(cache, device)
+    budget = _memory_budget(cache, device) - state_bytes
     if budget < full_bytes + window_bytes:
+        if state_bytes:
+            raise RuntimeError(
+                f"the linear-attention state slots take {state_bytes / 2**20:.0f} MiB, leaving no room for a KV "
+                "page: lower --max-num-seqs or --state-snapshots, or give the KV cache more memory"
+            )
         raise RuntimeError("not enough free memory for even one KV page")
     if window_bytes and full_bytes and budget >= window_cap * (full_bytes + window_bytes):
         return KVPools((budget - window_cap * window_bytes) // full_bytes, window_cap, full_bytes, window_bytes)

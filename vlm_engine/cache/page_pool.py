@@ -13,6 +13,7 @@ reverse order makes its tail pages go before the shared head.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class PagePool:
@@ -28,6 +29,8 @@ class PagePool:
         # OrderedDict as an O(1) removable queue: page id -> None.
         self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(num_pages))
         self.hits = 0  # pages served from the prefix cache
+        # Called with a page key when its cached content goes (state snapshots go with it).
+        self.on_evict: Callable[[int], None] | None = None
         self.queries = 0  # pages looked up in the prefix cache
 
     @property
@@ -102,6 +105,8 @@ class PagePool:
     def reset_prefix_cache(self) -> None:
         for h, page in list(self.hash_to_page.items()):
             self.page_hash[page] = None
+            if self.on_evict is not None:
+                self.on_evict(h)
         self.hash_to_page.clear()
 
     def _evict(self, page: int) -> None:
@@ -109,6 +114,8 @@ class PagePool:
         if h is not None:
             del self.hash_to_page[h]
             self.page_hash[page] = None
+            if self.on_evict is not None:
+                self.on_evict(h)
 
     def check_invariants(self) -> None:
         for page in range(self.num_pages):

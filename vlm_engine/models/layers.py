@@ -24,6 +24,25 @@ from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCac
 
 
 @dataclass
+class StepState:
+    """The fixed-size per-sequence state of a step's sequences (linear-attention layers: a conv
+    window and a recurrent matrix), kept in slots of a pool beside the paged KV
+    (`vlm_engine.cache.state_pool`).
+
+    `pools[i]` holds layer i's state tensors, each [num_slots, *shape] as the model's
+    `state_layout[i]` declares them (None for a layer that keeps paged KV). Sequence j of the step
+    (the order of `AttentionMetadata.query_start_loc`) reads and writes slot `slots[j]`; where
+    `has_initial_state[j]` is False it starts from zeros (its chunk begins at token 0) and the slot's
+    old contents are ignored."""
+
+    pools: list[tuple[torch.Tensor, ...] | None]
+    slots: torch.Tensor  # [num_seqs] int64
+    has_initial_state: torch.Tensor  # [num_seqs] bool
+    slots_host: list[int]
+    has_initial_state_host: list[bool]
+
+
+@dataclass
 class ForwardContext:
     """Everything a decoder needs for one step besides the hidden states."""
 
@@ -36,6 +55,8 @@ class ForwardContext:
     # decoder layer, added to that layer's output): the step's rows that carry them and their values.
     media_rows: torch.Tensor | None = None
     media_features: torch.Tensor | None = None
+    # Linear-attention layers' per-sequence state (None: the model keeps only paged KV).
+    state: StepState | None = None
 
 
 RowsFn = Callable[[torch.Tensor], torch.Tensor]

@@ -18,8 +18,9 @@ import torch
 
 from vlm_engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from vlm_engine.cache.encoder_cache import EncoderCache
+from vlm_engine.cache.state_pool import StatePool, state_layout
 from vlm_engine.models.family import VLModel
-from vlm_engine.models.layers import ForwardContext
+from vlm_engine.models.layers import ForwardContext, StepState
 from vlm_engine.runner.sampler import SampledToken, batch_argmax, sample, token_logprobs
 from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.scheduler.request import Request
@@ -53,12 +54,19 @@ def attention_windows(model: VLModel) -> tuple[int, ...]:
     return windows
 
 
+def kv_layers(model: VLModel) -> list[bool]:
+    """Which decoder layers read paged KV: all but those that keep a fixed-size state instead."""
+    layout = state_layout(model)
+    return [True] * KVLayout.of(model).num_layers if layout is None else [entry is None for entry in layout]
+
+
 def kv_token_bytes(models: list[VLModel], dtype: torch.dtype) -> tuple[int, int]:
     """KV bytes of one token in the full-attention layers (every model's: a draft model's share
     the page tables) and in the first model's sliding-window layers, which have a pool of their own."""
-    window_layers = sum(1 for w in attention_windows(models[0]) if w)
+    window_layers = sum(1 for w, kv in zip(attention_windows(models[0]), kv_layers(models[0])) if w and kv)
     window = KVLayout.of(models[0]).bytes_per_token(dtype, window_layers)
-    return sum(KVLayout.of(model).bytes_per_token(dtype) for model in models) - window, window
+    full = sum(KVLayout.of(model).bytes_per_token(dtype, sum(kv_layers(model))) for model in models)
+    return full - window, window
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +90,7 @@ class StepInputs:
     sample_rows: list[int]  # flat rows whose logits are needed: each sampling chunk's last known token and its draft
     sample_chunks: list[ScheduledChunk]
     row_offsets: list[int]  # where each sampling chunk's rows start among sample_rows
+    state: StepState | None = None  # linear-attention layers' slots for the step's sequences
 
 
 class ModelRunner:
@@ -97,6 +106,7 @@ class ModelRunner:
         fused_ops: ModuleType | None = None,
         merge_media: bool = True,  # False for a text-only draft model: placeholders stay token embeddings
         num_window_pages: int = 0,  # > 0: the sliding-window layers' KV lives in a pool of this many pages
+        states: StatePool | None = None,  # the linear-attention layers' slots, when the model has such layers
     ) -> None:
         self.model = model
         self.device = device
@@ -109,8 +119,11 @@ class ModelRunner:
         self.uses_window_pool = num_window_pages > 0
         windows = attention_windows(model) if self.uses_window_pool else (0,) * self.layout.num_layers
         self.kv_caches: list[KVCache] = [
-            self._kv_tensors(num_window_pages if window else num_pages) for window in windows
+            self._kv_tensors(num_window_pages if window else num_pages if kv else 0)
+            for window, kv in zip(windows, kv_layers(model))
         ]
+        self.states = states
+        self.state_pools = self._state_tensors(states)
         # Media tokens that attend to each other both ways (Gemma 3's images): per-token KV ends.
         self.bidirectional_media = bool(getattr(model, "bidirectional_media", False))
         self.position_axes = model.position_axes  # 3 for M-RoPE (t, h, w), else 1
@@ -130,12 +143,47 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device),
         )
 
+    def _state_tensors(self, states: StatePool | None) -> list[tuple[torch.Tensor, ...] | None]:
+        """Each stateful layer's tensors, [slots, *shape] (zeros), and None for the KV layers."""
+        layout = state_layout(self.model)
+        if layout is None:
+            if states is not None:
+                raise ValueError("a state pool for a model that keeps no per-sequence state")
+            return []
+        if states is None:
+            raise ValueError(f"{type(self.model).__name__} keeps per-sequence state: it needs a state pool")
+        num_slots = states.slots.total
+        return [
+            None
+            if entry is None
+            else tuple(
+                torch.zeros((num_slots, *shape), dtype=dtype or self.dtype, device=self.device)
+                for shape, dtype in zip(entry.shapes, entry.dtypes)
+            )
+            for entry in layout
+        ]
+
+    def _copy_states(self, chunks: list[ScheduledChunk]) -> None:
+        """The slot copies the scheduler recorded (snapshots, restores), in order, then a checkpoint
+        of every request whose draft this step verifies (a partial accept goes back to it)."""
+        assert self.states is not None
+        copies = self.states.take_copies()
+        copies += [(c.request.state_slot, self.states.checkpoint_slot(c.request.state_slot)) for c in chunks if c.draft]
+        if not copies:
+            return
+        for src, dst in copies:
+            for tensors in self.state_pools:
+                for tensor in tensors or ():
+                    tensor[dst].copy_(tensor[src])
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run the step: the new tokens of each sampling chunk's request (one, or a verified draft
         prefix plus one when the chunk carries a draft); a request whose logits were not finite
         gets none and is listed as such."""
         t0 = time.perf_counter()
+        if self.states is not None:
+            self._copy_states(out.chunks)
         inputs = self.prepare_inputs(out.chunks)
         prepare_s = time.perf_counter() - t0
         masks = self._start_masks(inputs)
@@ -156,7 +204,7 @@ class ModelRunner:
 
     def _logits(self, inputs: StepInputs, chunks: list[ScheduledChunk]) -> torch.Tensor | None:
         hidden = self.model.embed(inputs.input_ids)
-        ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend, self.fused_ops)
+        ctx = ForwardContext(inputs.attn_meta, self.kv_caches, self.attn_backend, self.fused_ops, state=inputs.state)
         if self.merge_media and any(c.request.prompt.media for c in chunks):
             ctx.media_rows, ctx.media_features = self._merge_media(hidden, chunks)
         hidden = self.model(hidden, inputs.positions, ctx)
@@ -240,7 +288,24 @@ class ModelRunner:
     # ---- inputs ----------------------------------------------------------------------------
 
     def prepare_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        return self._prepare_decode(chunks) or self._prepare_any(chunks)
+        inputs = self._prepare_decode(chunks) or self._prepare_any(chunks)
+        if self.states is not None:
+            inputs.state = self._step_state(chunks)
+        return inputs
+
+    def _step_state(self, chunks: list[ScheduledChunk]) -> StepState:
+        slots = [c.request.state_slot for c in chunks]
+        if min(slots) < 0:
+            raise RuntimeError("a request of a stateful model was scheduled without a state slot")
+        initial = [c.start > 0 for c in chunks]
+        dev = self.device
+        return StepState(
+            self.state_pools,
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            torch.tensor(initial, dtype=torch.bool, device=dev),
+            slots,
+            initial,
+        )
 
     def _prepare_decode(self, chunks: list[ScheduledChunk]) -> StepInputs | None:
         """The step's inputs when every chunk is one sampling token past its prompt (a plain decode

@@ -84,6 +84,8 @@ class Request:
     # (scheduler/window.py): entries before `num_window_released` went back to the pool.
     window_page_ids: list[int] = field(default_factory=list)
     num_window_released: int = 0
+    # The slot of the linear-attention layers' state (vlm_engine.cache.state_pool), -1: none held.
+    state_slot: int = -1
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prefix-cache hit at first admission (what the API reports)
     num_preemptions: int = 0

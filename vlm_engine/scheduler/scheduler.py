@@ -20,6 +20,16 @@ Speculative decoding (vlm_engine.speculative) adds one thing: a decoding request
 `lookahead` KV slots past its last token; the engine fills them with proposed tokens before the
 forward pass, which verifies them all at once. `update()` then keeps the KV of the accepted
 prefix only and gives back pages that hold nothing valid (the rollback).
+
+Models with linear-attention layers (a fixed-size state per sequence, `cache/state_pool.py`) add a
+state slot per running request, taken at admission and given back with its pages. Their state
+cannot be rolled back to any position, so three things change:
+- a prefix-cache hit ends at the deepest cached page that has a state snapshot, which the slot
+  starts from; snapshots are taken at chosen page boundaries of prompts (`snapshot_bounds`), where
+  prefill chunks are cut so that a step ends exactly there;
+- a draft verified with a partial accept rolls back to the state before the draft (the runner's
+  checkpoint) and recomputes the accepted tokens in the next step;
+- a preempted request recomputes from its tokens (or a snapshot), as everyone does.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from dataclasses import dataclass, field
 
 from vlm_engine.cache.page_hash import page_hashes
 from vlm_engine.cache.page_pool import PagePool
+from vlm_engine.cache.state_pool import StatePool
 from vlm_engine.config import SchedulingConfig
 from vlm_engine.inputs import context_exceeded
 from vlm_engine.scheduler.request import Request, RequestStatus, SampledToken
@@ -144,11 +155,19 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pool: PagePool, window: WindowPages | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: PagePool,
+        window: WindowPages | None = None,
+        states: StatePool | None = None,
+    ) -> None:
         self.config = config
         self.pool = pool
         # Sliding-window layers' pages, when the model has such layers (scheduler/window.py).
         self.window = window
+        # Linear-attention layers' state slots, when the model has such layers (cache/state_pool.py).
+        self.states = states
         self.page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -275,7 +294,7 @@ class Scheduler:
         atomic media spans, cut back to the start of a span the budget ends inside, or, when the
         span began before this chunk, through its end: over the budget if nothing else runs yet in
         this step (a span longer than the budget must still run), else not this step (0)."""
-        n = min(request.extend_len, budget)
+        n = self._cut_at_snapshot(request, min(request.extend_len, budget))
         if not self.config.atomic_media_spans or n == request.extend_len:
             return n
         start = request.num_computed_tokens
@@ -285,6 +304,31 @@ class Scheduler:
                 if span.offset > start:
                     return span.offset - start
                 return span.end - start if budget == self.config.options.max_num_batched_tokens else 0
+        return n
+
+    def _snapshots_on(self) -> bool:
+        return self.states is not None and self.pool.enable_prefix_cache and self.states.slots.num_snapshots > 0
+
+    def snapshot_bounds(self, request: Request) -> list[int]:
+        """Where a request's linear-attention state is kept for the prefix cache (ascending page
+        boundaries): the last boundary inside each media span (a shared system prompt and image
+        followed by a different question resumes there) and the prompt's last full page (the next
+        turn of the conversation resumes there)."""
+        if not self._snapshots_on():
+            return []
+        ps = self.page_size
+        last = (request.num_prompt_tokens - 1) // ps * ps
+        bounds = {span.end // ps * ps for span in request.media_spans} | {last}
+        return sorted(b for b in bounds if 0 < b <= last)
+
+    def _cut_at_snapshot(self, request: Request, n: int) -> int:
+        """End a prefill chunk of `n` tokens at the first snapshot boundary inside it."""
+        start = request.num_computed_tokens
+        if self.states is None or start >= request.num_prompt_tokens:
+            return n
+        for bound in self.snapshot_bounds(request):
+            if start < bound < start + n:
+                return bound - start
         return n
 
     def _lookahead(self, request: Request, n: int, budget: int) -> int:
@@ -298,6 +342,11 @@ class Scheduler:
         max_num_seqs, chunked = self.config.options.max_num_seqs, self.config.options.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < max_num_seqs:
             request = self.waiting[0]
+            if self.states is not None and request.state_slot < 0:
+                slot = self.states.allocate()
+                if slot is None:  # every live slot is held (a seat per slot: cannot happen while seats last)
+                    break
+                request.state_slot = slot
             if request.num_computed_tokens == 0 and not request.page_ids:
                 self._match_prefix(request)
             n = self._chunk_tokens(request, budget)
@@ -342,11 +391,25 @@ class Scheduler:
             hit = self.window.match(request, keys, len(pages))
             self.pool.free(pages[hit:])
             pages = pages[:hit]
+        if self.states is not None and pages:
+            hit = self._snapshot_hit(keys, len(pages))
+            self.pool.free(pages[hit:])
+            pages = pages[:hit]
+            if hit:
+                self.states.restore(keys[hit - 1], request.state_slot)
         request.page_ids = pages
         request.num_computed_tokens = len(pages) * self.page_size
         request.num_registered_pages = len(pages)
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
+
+    def _snapshot_hit(self, keys: list[int], num_pages: int) -> int:
+        """The longest prefix of `num_pages` cached pages whose last page has a state snapshot."""
+        assert self.states is not None
+        for hit in range(num_pages, 0, -1):
+            if self.states.has_snapshot(keys[hit - 1]):
+                return hit
+        return 0
 
     def _page_keys(self, request: Request, num_pages: int) -> list[int]:
         """Extend the request's hash chain to at least `num_pages` full pages (cheap to call again)."""
@@ -390,6 +453,10 @@ class Scheduler:
         request.page_ids = []
         if self.window is not None:
             self.window.release_all(request)
+        if request.state_slot >= 0:
+            assert self.states is not None
+            self.states.free(request.state_slot)
+            request.state_slot = -1
         request.num_computed_tokens = 0
         request.num_registered_pages = 0
 
@@ -425,6 +492,7 @@ class Scheduler:
                 request.num_computed_tokens = chunk.end
                 self._register_full_pages(request)
                 self._release_behind_window(request)
+                self._snapshot_state(request)
                 continue
             tokens = sampled[request.request_id]
             if len(tokens) != 1:
@@ -461,6 +529,11 @@ class Scheduler:
                 continue
             if chunk.num_lookahead:
                 self._trim_pages(request)
+            if self.states is not None and len(tokens) <= len(chunk.draft):
+                # A draft token was rejected: the linear layers' state went past the accepted ones.
+                # Back to the checkpoint taken before the draft; the accepted tokens run again.
+                self.states.restore_checkpoint(request.state_slot)
+                request.num_computed_tokens = chunk.start
             if grammar_done:
                 completed.append(request)
         for request in completed:  # nothing but EOS could follow: stop now, not a step later
@@ -489,6 +562,15 @@ class Scheduler:
             if self.window is not None:
                 self.window.trim(request, keep)
 
+    def _snapshot_state(self, request: Request) -> None:
+        """Keep the request's state when this step ended at one of its snapshot boundaries."""
+        if self.states is None:
+            return
+        end = request.num_computed_tokens
+        if end in self.snapshot_bounds(request):
+            pages = end // self.page_size
+            self.states.snapshot(self._page_keys(request, pages)[pages - 1], request.state_slot)
+
     def _release_behind_window(self, request: Request) -> None:
         if self.window is not None:
             self.window.release_behind(request)
@@ -513,6 +595,8 @@ class Scheduler:
             raise AssertionError(f"pages held by no request or miscounted: {leaked[:16]}")
         if self.window is not None:
             self._check_window_invariants()
+        if self.states is not None:
+            self.states.check_invariants([r.state_slot for r in self.requests.values() if r.state_slot >= 0])
 
     def _check_window_invariants(self) -> None:
         """The window pool's references are exactly the requests' held window pages, and each window
