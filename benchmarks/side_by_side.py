@@ -168,6 +168,7 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
             assert server.proc is not None
             sampler = peers.TreeSampler(server.proc.pid)
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
+                        pss_after_start_bytes=tree_pss_bytes(server.proc.pid),
                         startup_hwm_bytes=sum(sampler.hwm_bytes.values()), weight_bytes=peers.weight_bytes(spec),
                         command=" ".join(spec.command(server.port)))  # fmt: skip
             print(f"[rep {rep}] {spec.name} on {hf_dir.name}: up in {server.startup_s:.0f} s", flush=True)
@@ -190,13 +191,34 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
                                            "value": value, "summary": p["summary"], "roofline": p["roofline"]})  # fmt: skip
                         sent += n
             time.sleep(SETTLE_S)
-            info.update(rss_steady_bytes=sampler.sample(), peak_rss_bytes=sampler.peak_bytes,
+            info.update(rss_steady_bytes=sampler.sample(), pss_steady_bytes=tree_pss_bytes(server.proc.pid),
+                        peak_rss_bytes=sampler.peak_bytes,
                         hwm_sum_bytes=sum(sampler.hwm_bytes.values()),
                         kv_log=kv_log_line(server.log_tail(200_000)))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one failed server must not lose the others' rows
         print(f"{spec.name} failed: {type(exc).__name__}: {exc}", flush=True)
         info["error"] = f"{type(exc).__name__}: {exc}"[:1000]
     return points, info
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """Σ PSS of a process tree (/proc/<pid>/smaps_rollup): a page shared by n of its processes (a library
+    several of them map) counts 1/n in each, where Σ RSS counts it n times over."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for proc in procs:
+        try:
+            rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:"))
+    return total
 
 
 def kv_log_line(log: str) -> str:
@@ -319,7 +341,8 @@ def table(suite: Suite, sides: list[str], agg: dict[tuple[str, str, str], dict[s
 
 MEMORY_COLUMNS = {"weight_bytes": "weights GiB", "startup_hwm_bytes": "start-up peak GiB (Σ VmHWM at /health)",
                   "rss_after_start_bytes": "RSS idle after start GiB", "peak_rss_bytes": "peak RSS (tree) GiB",
-                  "hwm_sum_bytes": "Σ VmHWM GiB", "rss_steady_bytes": f"steady RSS GiB ({SETTLE_S:.0f} s idle after)"}  # fmt: skip
+                  "hwm_sum_bytes": "Σ VmHWM GiB", "rss_steady_bytes": f"steady RSS GiB ({SETTLE_S:.0f} s idle after)",
+                  "pss_after_start_bytes": "Σ PSS after start GiB", "pss_steady_bytes": "Σ PSS steady GiB"}  # fmt: skip
 
 
 def memory_table(infos: list[dict[str, Any]], tier: str) -> list[str]:

@@ -24,6 +24,7 @@ import zmq
 
 from preprocess.errors import PromptError
 from vlm_engine import ipc
+from vlm_engine.host_memory import release_freed_memory
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.server.config import ServerConfig
@@ -210,12 +211,17 @@ class PreprocessWorker:
     def run(self, keep_going: Any) -> None:
         self.to_api.send_multipart(ipc.encode(ipc.WorkerReady(self.index, os.getpid())))
         logger.info("preprocess worker %d ready", self.index)
+        worked = False  # since the last trim
         while True:
             if not self.inbox.poll(500):
                 if not keep_going():
                     logger.warning("parent process is gone; preprocess worker exiting")
                     return
+                if worked:  # idle for 0.5 s: the requests' image buffers go back to the kernel
+                    release_freed_memory()
+                    worked = False
                 continue
+            worked = True
             parts = self.inbox.recv_multipart(copy=False)
             try:
                 msg, _ = self.decoder.decode(parts)
