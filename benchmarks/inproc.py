@@ -339,10 +339,12 @@ def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed
     opt("--sizes", "448x448,1024x768", "image sizes, WxH"),
     opt("--dtypes", "bfloat16,float32", "bfloat16 runs only where the CPU has bf16 dot products"),
     opt("--threads", 2),
+    opt("--split", False, "also time the prepacked tower's parts (per-module timers, fastest of 3 runs)"),
 )
 def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Ours (plain and prepacked) and Transformers' tower in the engine's default CPU dtype, then both in fp32;
-    median and minimum of 3 runs after a warm-up, the variants taking turns. ratio = time / Transformers'."""
+    median and minimum of 3 runs after a warm-up, the variants taking turns. ratio = time / Transformers'.
+    `--split`: where the prepacked tower's time goes (`vision_split`)."""
     import numpy as np
     import torch
     from PIL import Image
@@ -370,7 +372,8 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         inputs[f"{size} ({px['pixel_values'].shape[0]} patches)"] = (px["pixel_values"], px["image_grid_thw"])
     dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     dtypes = [dt for dt in dtypes if dt != torch.bfloat16 or has_native_bf16()]
-    rows = []
+    rows: list[list[str]] = []
+    splits: list[dict[str, Any]] = []
     for dt in dtypes:
         towers = {"Transformers": vision_tower(cfg, state, dt, ours=False),
                   "ours" if dt == dtypes[0] else "ours (bit-identical)": vision_tower(cfg, state, dt, ours=True)}  # fmt: skip
@@ -383,6 +386,10 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             with torch.inference_mode():
                 times = S.interleaved({label: call(label, m) for label, m in towers.items()}, VISION_REPEATS)
             base = times["Transformers"]
+            if args.split and "ours, prepacked linears" in towers:
+                split = vision_split(towers["ours, prepacked linears"], pixels.to(dt), grid)
+                splits.append({"image": image, "ms": split})
+                print(f"  split of ours, prepacked, {image}, ms: " + ", ".join(f"{k} {v:.0f}" for k, v in split.items()))
             for label, ts in times.items():
                 rows.append([image, str(dt).removeprefix("torch."), label, f"{1e3 * S.median(ts):.0f}",
                              f"{1e3 * min(ts):.0f}", f"{S.median(ts) / S.median(base):.2f}", f"{min(ts) / min(base):.2f}"])  # fmt: skip
@@ -392,7 +399,55 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     head = ["image", "dtype", "tower", "median ms", "min ms", "ratio (median)", "ratio (min)"]
     print(f"\nQwen2.5-VL-3B vision tower, {args.threads} threads, median of {VISION_REPEATS}\n")
     print("\n".join(S.md_table(head, rows)))
-    return {"rows": rows}
+    return {"rows": rows, "splits": splits}
+
+
+def vision_split(model: Any, pixels: Any, grid: Any, runs: int = 3) -> dict[str, float]:
+    """ms per part of our tower's forward, fastest of `runs`: each linear kind, summed over the blocks (perf_counter
+    around the modules' forward); "rotary + attention" is the attention module less its qkv and proj (the fused RoPE
+    and the flash kernel), "silu * up" the MLP less its linears, "norms, reorder" the rest of the forward."""
+    import torch
+
+    spent: dict[str, float] = {}
+
+    def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            result = fn(*a, **k)
+            spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+            return result
+
+        return run
+
+    wrapped = [(model, "forward", "total"), (model.patch_embed, "forward", "patch embed"),
+               (model.merger, "project", "merger")]  # fmt: skip
+    for i, block in enumerate(model.blocks):
+        kind = "full" if i in model.fullatt_block_indexes else "window"
+        wrapped += [(block.attn, "forward", f"attention module, {kind}"), (block.mlp, "forward", "mlp module")]
+        wrapped += [(block.attn.qkv, "forward", "qkv"), (block.attn.proj, "forward", "proj")]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            wrapped.append((getattr(block.mlp, proj), "forward", proj.removesuffix("_proj")))
+    for obj, name, key in wrapped:  # instance attributes shadow the class's methods until deleted
+        setattr(obj, name, timed(key, getattr(obj, name)))
+    best: dict[str, float] = {}
+    try:
+        with torch.inference_mode():
+            for _ in range(runs):
+                spent.clear()
+                model(pixels, grid)
+                if not best or spent["total"] < best["total"]:
+                    best = dict(spent)
+    finally:
+        for obj, name, _ in wrapped:
+            delattr(obj, name)
+    linears = sum(best[k] for k in ("qkv", "proj", "gate", "up", "down"))
+    attention = sum(v for k, v in best.items() if k.startswith("attention module"))
+    parts = {k: best[k] for k in ("total", "qkv", "proj", "gate", "up", "down", "merger", "patch embed")}
+    parts["rotary + attention"] = attention - best["qkv"] - best["proj"]
+    parts["silu * up"] = best["mlp module"] - best["gate"] - best["up"] - best["down"]
+    parts["norms, reorder"] = best["total"] - attention - best["mlp module"] - best["merger"] - best["patch embed"]
+    parts["linears"] = linears
+    return {k: 1e3 * v for k, v in parts.items()}
 
 
 @measurement("attention", opt("--heads", 8), opt("--rounds", 5))
