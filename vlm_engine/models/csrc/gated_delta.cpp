@@ -405,11 +405,11 @@ struct HeadInputs {
 
 // Scratch of one prefill task (one sequence, one value head); sized for a 64-token chunk.
 struct ChunkScratch {
-  std::vector<float> q, k, kT, v, w, o, kk, qk, coef, g, beta;
+  std::vector<float> q, k, kT, v, w, o, kk, qk, pair, g, eg, beta;
   ChunkScratch(const DeltaShape& sh)
       : q(kChunk * sh.k_dim), k(kChunk * sh.k_dim), kT(sh.k_dim * kChunk), v(kChunk * sh.v_dim),
         w(kChunk * sh.v_dim), o(kChunk * sh.v_dim), kk(kChunk * kChunk), qk(kChunk * kChunk),
-        coef(kChunk * kChunk), g(kChunk), beta(kChunk) {}
+        pair(kChunk * kChunk), g(kChunk), eg(kChunk), beta(kChunk) {}
 };
 
 // One chunk of `len` tokens starting at token t0 of the head's span; S [k_dim][v_dim] is updated.
@@ -426,38 +426,51 @@ void delta_chunk(const HeadInputs<E>& in, const DeltaShape& sh, int64_t t0, int6
     sc.g[i] = G;
     sc.beta[i] = in.beta(t0 + i);
   }
+  // e^(G_i - G_j) for j <= i (0 above the diagonal: only the causal pairs count), one exp per pair.
+  for (int64_t j = len; j < kChunk; ++j) sc.g[j] = G;  // finite filler for whole-vector rows
+  for (int64_t i = 0; i < len; ++i) {
+    float* row = &sc.pair[i * kChunk];
+    const vec gi = vset(sc.g[i]);
+    for (int64_t j = 0; j < kChunk; j += kLanes) vstore(row + j, vexp(gi - vload(&sc.g[j])));
+    std::fill(row + i + 1, row + kChunk, 0.0f);
+    sc.eg[i] = std::exp(sc.g[i]);
+  }
   // k_i.k_j and q_i.k_j for every pair (the lower triangles are used).
   matmul_rows(sc.k.data(), Dk, sc.kT.data(), kChunk, sc.kk.data(), kChunk, len, Dk, len, false);
   matmul_rows(sc.q.data(), Dk, sc.kT.data(), kChunk, sc.qk.data(), kChunk, len, Dk, len, false);
   // w_i = beta_i (v_i - e^(G_i) k_i S)
   matmul_rows(sc.k.data(), Dk, S, Dv, sc.w.data(), Dv, len, Dk, Dv, false);
   for (int64_t i = 0; i < len; ++i) {
-    const float eg = std::exp(sc.g[i]), bi = sc.beta[i];
+    const float eg = sc.eg[i], bi = sc.beta[i];
     float* w = &sc.w[i * Dv];
     const float* v = &sc.v[i * Dv];
     for (int64_t e = 0; e < Dv; ++e) w[e] = bi * (v[e] - eg * w[e]);
   }
-  // Forward substitution: u_i = w_i - sum_{j<i} beta_i (k_i.k_j) e^(G_i-G_j) u_j (u overwrites w).
-  for (int64_t i = 1; i < len; ++i)
-    for (int64_t j = 0; j < i; ++j)
-      axpy(-sc.beta[i] * sc.kk[i * kChunk + j] * std::exp(sc.g[i] - sc.g[j]), &sc.w[j * Dv], &sc.w[i * Dv], Dv);
+  // Forward substitution: u_i = w_i - sum_{j<i} beta_i (k_i.k_j) e^(G_i-G_j) u_j (u overwrites w);
+  // the coefficients, negated, overwrite k_i.k_j.
+  for (int64_t i = 1; i < len; ++i) {
+    float* a = &sc.kk[i * kChunk];
+    const float* pair = &sc.pair[i * kChunk];
+    for (int64_t j = 0; j < i; ++j) a[j] = -sc.beta[i] * a[j] * pair[j];
+    matmul_rows(a, kChunk, sc.w.data(), Dv, &sc.w[i * Dv], Dv, 1, i, Dv, true);
+  }
   // o_i = e^(G_i) q_i S + sum_{j<=i} (q_i.k_j) e^(G_i-G_j) u_j
   matmul_rows(sc.q.data(), Dk, S, Dv, sc.o.data(), Dv, len, Dk, Dv, false);
   for (int64_t i = 0; i < len; ++i) {
-    const float eg = std::exp(sc.g[i]);
+    const float eg = sc.eg[i];
     for (int64_t e = 0; e < Dv; ++e) sc.o[i * Dv + e] *= eg;
-    for (int64_t j = 0; j < len; ++j)
-      sc.coef[i * kChunk + j] = j <= i ? sc.qk[i * kChunk + j] * std::exp(sc.g[i] - sc.g[j]) : 0.0f;
+    for (int64_t j = 0; j < len; ++j) sc.qk[i * kChunk + j] *= sc.pair[i * kChunk + j];
   }
-  matmul_rows(sc.coef.data(), kChunk, sc.w.data(), Dv, sc.o.data(), Dv, len, len, Dv, true);
+  matmul_rows(sc.qk.data(), kChunk, sc.w.data(), Dv, sc.o.data(), Dv, len, len, Dv, true);
   for (int64_t i = 0; i < len; ++i) {
     typename E::raw_t* dst = out + (t0 + i) * out_stride;
     for (int64_t e = 0; e < Dv; ++e) dst[e] = E::store(sc.o[i * Dv + e]);
   }
-  // S' = e^(G_last) S + sum_j e^(G_last-G_j) k_j^T u_j
-  const float last = sc.g[len - 1], chunk_decay = std::exp(last);
+  // S' = e^(G_last) S + sum_j e^(G_last-G_j) k_j^T u_j (row len-1 of the pairs holds e^(G_last-G_j)).
+  const float* tail = &sc.pair[(len - 1) * kChunk];
+  const float chunk_decay = sc.eg[len - 1];
   for (int64_t d = 0; d < Dk; ++d)
-    for (int64_t j = 0; j < len; ++j) sc.kT[d * kChunk + j] *= std::exp(last - sc.g[j]);
+    for (int64_t j = 0; j < len; ++j) sc.kT[d * kChunk + j] *= tail[j];
   for (int64_t x = 0; x < Dk * Dv; ++x) S[x] *= chunk_decay;
   matmul_rows(sc.kT.data(), kChunk, sc.w.data(), Dv, S, Dv, Dk, len, Dv, true);
 }
