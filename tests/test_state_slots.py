@@ -91,7 +91,9 @@ def test_prefix_hit_resumes_from_a_snapshot(toy: Path) -> None:
     second = first + reply + [55, 66, 77]
     out = engine.generate([second], GREEDY)[0]
     assert out.cached_tokens == 32
-    assert engine.states is not None and engine.states.snapshot_hits == 1
+    stats = engine.make_stats()  # what /metrics exports
+    assert (stats.state_snapshot_hits, stats.state_slots_total) == (1, 64 + 16)
+    assert 0 < stats.state_snapshots == stats.state_slots_used <= 16
     cold = _engine(toy, enable_prefix_cache=False)
     assert out.token_ids == _recomputed(cold, second, GREEDY.max_tokens)
     _check_idle(engine)

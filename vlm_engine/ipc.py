@@ -230,6 +230,12 @@ class CoreStats(msgspec.Struct, array_like=True):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Linear-attention models' state slots (cache/state_pool.py): held (live, checkpoints,
+    # snapshots), in all, snapshots kept, and prefix-cache hits resumed from a snapshot.
+    state_slots_used: int = 0
+    state_slots_total: int = 0
+    state_snapshots: int = 0
+    state_snapshot_hits: int = 0
     # Per step: where the time went, and what the batch held.
     step_schedule_s: Histogram = msgspec.field(default_factory=_step_seconds)
     step_forward_s: Histogram = msgspec.field(default_factory=_step_seconds)

@@ -116,6 +116,10 @@ class StepRecorder:
         s.prompt_tokens = scheduler.num_prompt_tokens
         s.prefix_cache_queries, s.cached_prompt_tokens = scheduler.num_prefix_queries, scheduler.num_prefix_hits
         s.mm_cache_hits, s.mm_cache_queries = encoder_cache.hits, encoder_cache.hits + encoder_cache.misses
+        states = scheduler.states
+        if states is not None:
+            s.state_slots_used, s.state_slots_total = states.num_used, states.slots.total
+            s.state_snapshots, s.state_snapshot_hits = states.num_snapshots, states.snapshot_hits
         if speculation is not None:
             s.spec_drafts, s.spec_draft_tokens = speculation.num_drafts, speculation.num_draft_tokens
             s.spec_accepted_tokens = speculation.num_accepted_tokens

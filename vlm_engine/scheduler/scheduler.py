@@ -183,6 +183,8 @@ class Scheduler:
         self.num_prompt_tokens = 0  # prompt tokens of admitted requests
         self.num_prefix_queries = 0  # of those, tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # tokens found there
+        if self.states is not None:
+            self.states.snapshot_hits = 0
 
     # ---- admission / removal -------------------------------------------------------------
 

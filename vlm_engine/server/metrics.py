@@ -155,6 +155,9 @@ _CORE_GAUGES = [
     ("kv_pages_used", "KV cache pages held by requests", "pages_used"),
     ("kv_pages_total", "KV cache pages in the pool", "pages_total"),
     ("kv_pages_cached", "KV pages holding a reusable prefix", "pages_cached"),
+    ("state_slots_used", "Linear-attention state slots held (running requests, checkpoints, snapshots)", "state_slots_used"),
+    ("state_slots_total", "Linear-attention state slots in the pool (0: the model keeps none)", "state_slots_total"),
+    ("state_snapshots", "Prefix-cache snapshots of linear-attention state kept", "state_snapshots"),
 ]
 _CORE_COUNTERS = [
     ("prompt_tokens", "Prompt tokens of admitted requests (prefix-cache hits included)", "prompt_tokens"),
@@ -166,6 +169,7 @@ _CORE_COUNTERS = [
     ("mm_cache_queries", "Media items looked up in the vision-encoder cache", "mm_cache_queries"),
     ("mm_cache_hits", "Media items found in the vision-encoder cache", "mm_cache_hits"),
     ("num_preemptions", "Requests preempted for lack of KV pages", "preemptions"),
+    ("state_snapshot_hits", "Prefix-cache hits resumed from a linear-attention state snapshot", "state_snapshot_hits"),
     ("engine_steps", "Engine steps run", "steps"),
     (
         "grammar_mask_seconds",
