@@ -21,6 +21,8 @@ from tests.released_configs import (
     GEMMA3_RELEASES,
     IDEFICS3_RELEASES,
     QWEN2_5_VL_RELEASES,
+    QWEN3_5_MOE_RELEASES,
+    QWEN3_5_RELEASES,
     QWEN3_VL_MOE_RELEASES,
     QWEN3_VL_RELEASES,
     SMOLVLM_RELEASES,
@@ -28,6 +30,7 @@ from tests.released_configs import (
 )
 from testkit.checkpoints import cached_qwen2_vl
 from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.qwen3_5_checkpoints import cached_qwen3_5
 from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 from testkit.smolvlm_checkpoints import cached_smolvlm
 from vlm_engine import Engine, SamplingParams
@@ -164,6 +167,17 @@ FAMILIES: tuple[Family, ...] = (
         "qwen3-vl-moe", lambda: cached_qwen3_vl("tiny-moe"), ("Qwen3VLMoeForConditionalGeneration",),
         [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=3, videos=True,
         preempted=QWEN_VL_PREEMPTED, releases=QWEN3_VL_MOE_RELEASES,
+    ),
+    # Hybrid stacks: Gated DeltaNet layers keep state slots beside the attention layers' paged KV.
+    Family(
+        "qwen3.5", lambda: cached_qwen3_5("tiny"), ("Qwen3_5ForConditionalGeneration",),
+        [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=3, videos=True,
+        preempted=QWEN_VL_PREEMPTED, releases=QWEN3_5_RELEASES,
+    ),
+    Family(
+        "qwen3.5-moe", lambda: cached_qwen3_5("tiny-moe"), ("Qwen3_5MoeForConditionalGeneration",),
+        [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=3, videos=True,
+        preempted=QWEN_VL_PREEMPTED, releases=QWEN3_5_MOE_RELEASES,
     ),
     Family(
         "smolvlm", lambda: cached_smolvlm("tiny"), ("SmolVLMForConditionalGeneration",),

@@ -7,7 +7,9 @@ Qwen2.5-VL-3B/7B-Instruct (named `model.*` / `visual.*`, its original release), 
 Qwen3-VL-30B-A3B-Instruct (the MoE: experts stored [E, hidden, 2I] / [E, I, hidden], which Transformers
 transposes on load), SmolVLM2-256M/500M-Video-Instruct, SmolVLM2-2.2B-Instruct and SmolVLM-256M-Instruct
 (Idefics3; named as Transformers names them), gemma-3-4b-it and gemma-3-12b-it (`language_model.model.*`,
-`vision_tower.vision_model.*`, `multi_modal_projector.*`, which Transformers 5 renames on load; tied)."""
+`vision_tower.vision_model.*`, `multi_modal_projector.*`, which Transformers 5 renames on load; tied),
+Qwen3.5-0.8B and Qwen3.5-35B-A3B (hybrid linear / full attention; the MoE's experts stored one by one, as
+Transformers 5 saves them)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ class Release:
     config: Callable[[], Any]
     renames: tuple[tuple[str, str], ...] = ()  # Transformers' name prefix -> the released file's
     transposed: tuple[str, ...] = ()  # name suffixes stored with their last two dims swapped
+    # Named as Transformers' save_pretrained writes them (its load-time conversions reverted): Qwen3.5-MoE's
+    # experts one tensor per expert and projection.
+    saved: bool = False
 
 
 def released_checkpoint(release: Release, config: Any) -> list[tuple[str, torch.Tensor]]:
@@ -31,8 +36,13 @@ def released_checkpoint(release: Release, config: Any) -> list[tuple[str, torch.
 
     with torch.device("meta"):
         hf = AutoModelForImageTextToText.from_config(config)
+    state = hf.state_dict()
+    if release.saved:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(hf, state)
     tensors = []
-    for name, tensor in hf.state_dict().items():
+    for name, tensor in state.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         for old, new in release.renames:
@@ -136,6 +146,47 @@ QWEN3_VL_MOE_RELEASES = {
     ), transposed=QWEN3_VL_MOE_EXPERTS),
 }  # fmt: skip
 
+
+
+# ---- Qwen3.5 -------------------------------------------------------------------------------------------
+# The smallest dense VL release (0.8B) and the first MoE one (35B-A3B): hybrid text stacks (every 4th layer
+# full attention), head_dim 256 with a quarter rotary, 248,320-row vocabulary, Qwen3-VL-shaped towers
+# without DeepStack; named as Transformers 5 names them (model.language_model.*, model.visual.*).
+
+
+def _qwen3_5_text(**values: Any) -> dict[str, Any]:
+    return dict(
+        vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6, head_dim=256, hidden_act="silu",
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, full_attention_interval=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True, "partial_rotary_factor": 0.25},
+        **values,
+    )  # fmt: skip
+
+
+QWEN3_5_VISION = {
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 2304,
+    "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+}  # fmt: skip
+QWEN3_5_RELEASES = {
+    "Qwen3.5-0.8B": Release(_qwen(
+        "Qwen3_5Config",
+        _qwen3_5_text(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                      num_key_value_heads=2, linear_num_key_heads=16, linear_num_value_heads=16),
+        dict(QWEN3_5_VISION, depth=12, hidden_size=768, intermediate_size=3072, num_heads=12, out_hidden_size=1024),
+        True,
+    )),
+}  # fmt: skip
+QWEN3_5_MOE_RELEASES = {
+    "Qwen3.5-35B-A3B": Release(_qwen(
+        "Qwen3_5MoeConfig",
+        _qwen3_5_text(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                      linear_num_key_heads=16, linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                      moe_intermediate_size=512, shared_expert_intermediate_size=512),
+        dict(QWEN3_5_VISION, depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=2048),
+        False,
+    ), saved=True),
+}  # fmt: skip
 
 # ---- SmolVLM2, SmolVLM (Idefics3) --------------------------------------------------------------------
 

@@ -19,14 +19,24 @@ class SparseExperts(nn.Module):
 class SparseMoE(nn.Module):
     """Top-k softmax routing over SiLU-gated experts, renormalized over the chosen k. Sums in
     Transformers' order (experts ascending, index_add_ into zeros) so fp32 outputs match it exactly;
-    each expert runs on the rows routed to it only."""
+    each expert runs on the rows routed to it only. `experts`: the fused tensors (default), or a
+    module list of `GatedMLP`s (checkpoints that store each expert apart, Qwen3.5-MoE's)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, experts: nn.Module | None = None
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = SparseExperts(hidden_size, intermediate_size, num_experts)
+        self.experts = experts if experts is not None else SparseExperts(hidden_size, intermediate_size, num_experts)
+
+    def expert(self, index: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `index` on `rows`: down(silu(gate) * up)."""
+        if isinstance(self.experts, nn.ModuleList):
+            return self.experts[index](rows)
+        gate, up = F.linear(rows, self.experts.gate_up_proj[index]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts.down_proj[index])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)
@@ -36,10 +46,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(x)
         # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
         routed = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         for expert in routed.sum(dim=(1, 2)).nonzero().flatten().tolist():
             slot, token = torch.where(routed[expert])
-            gate, up = F.linear(x[token], gate_up[expert]).chunk(2, dim=-1)
-            h = F.linear(F.silu(gate) * up, down[expert]) * weights[token, slot, None]
-            out.index_add_(0, token, h)
+            out.index_add_(0, token, self.expert(expert, x[token]) * weights[token, slot, None])
         return out

@@ -316,15 +316,16 @@ class Qwen3_5ForConditionalGeneration(QwenVLForConditionalGeneration):
 
 
 class SharedExpertMoE(SparseMoE):
-    """Qwen3.5-MoE's MLP: the routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x)),
-    added in Transformers' order (routed + gated shared)."""
+    """Qwen3.5-MoE's MLP: the routed experts, each a `GatedMLP` (the releases and Transformers' save store
+    them one by one: `mlp.experts.N.gate_proj`, ...), plus a shared expert scaled by
+    sigmoid(shared_expert_gate(x)), added in Transformers' order (routed + gated shared)."""
 
     def __init__(self, config: Any) -> None:
-        super().__init__(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
-        )
-        self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        hidden, size = config.hidden_size, config.moe_intermediate_size
+        experts = nn.ModuleList(GatedMLP(hidden, size) for _ in range(config.num_experts))
+        super().__init__(hidden, size, config.num_experts, config.num_experts_per_tok, experts)
+        self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
