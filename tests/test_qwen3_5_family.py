@@ -257,3 +257,69 @@ def test_a_model_without_state_needs_no_state(layer_types: list[str]) -> None:
     else:
         with pytest.raises(RuntimeError, match="state slots"):
             ours(x, torch.arange(5).expand(3, -1), ctx)
+
+
+# ---- end to end, on the family matrix's tiny checkpoints (greedy tokens = Transformers' generate) ------
+
+
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
+def row(request: pytest.FixtureRequest) -> Any:
+    from tests.family_table import family
+
+    return family(request.param)
+
+
+@pytest.fixture(scope="module")
+def clip() -> bytes:
+    from tests.conftest import make_image
+    from testkit.videos import make_clip
+
+    return make_clip(width=97, height=75, fps=7, seconds=3, pix_fmt="yuv444p", picture=make_image(200, 150, 8))
+
+
+def test_video_and_image_with_video_match_hf(row: Any, clip: bytes) -> None:
+    from tests.conftest import make_image
+    from tests.family_table import exact_engine, hf_model
+    from tests.test_qwen_vl_families import FPS, GREEDY, hf_video_greedy, video_conv
+
+    engine, image = exact_engine(row), make_image(61, 45, 9)
+    video = engine.chat([video_conv(clip)], GREEDY, mm_processor_kwargs={"fps": FPS})[0]
+    assert video.token_ids == hf_video_greedy(hf_model(row), clip)
+    both = engine.chat([video_conv(clip, image)], GREEDY, mm_processor_kwargs={"fps": FPS})[0]
+    assert both.token_ids == hf_video_greedy(hf_model(row), clip, image)
+
+
+def test_24_token_chunks_cutting_through_images_equal_one_prefill(row: Any) -> None:
+    from tests.family_table import references
+    from vlm_engine import Engine
+
+    engine = Engine(str(row.path), dtype="float32", numerics="exact", kv_cache_tokens=4096, max_num_batched_tokens=24)
+    assert [o.token_ids for o in engine.chat(row.conversations, row.greedy)] == list(references(row))
+
+
+def test_a_prefix_hit_mid_conversation_restores_a_state_snapshot(row: Any) -> None:
+    """The next turn of a conversation reuses the cached pages of the turns before it: the linear layers
+    resume from the snapshot at the hit's end, and the answer is still Transformers'."""
+    from tests.conftest import hf_greedy
+    from tests.family_table import hf_model
+    from vlm_engine import Engine
+
+    engine = Engine(str(row.path), dtype="float32", numerics="exact", kv_cache_tokens=4096)
+    conv = row.conversations[3]
+    first = engine.chat([conv], row.greedy)[0]
+    follow_up = [*conv, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the shapes?"}]
+    hits = engine.scheduler.states.snapshot_hits
+    out = engine.chat([follow_up], row.greedy)[0]
+    assert out.cached_tokens > 0 and engine.scheduler.states.snapshot_hits > hits
+    assert out.token_ids == hf_greedy(hf_model(row), follow_up, row.max_tokens)
+
+
+def test_ngram_speculation_equals_plain_greedy(row: Any) -> None:
+    from tests.family_table import references
+    from vlm_engine import Engine
+
+    spec = Engine(
+        str(row.path), dtype="float32", kv_cache_tokens=4096, numerics="exact",
+        speculative="ngram", speculative_disable_batch_size=1000,
+    )  # fmt: skip
+    assert [o.token_ids for o in spec.chat(row.conversations[:4], row.greedy)] == list(references(row)[:4])
