@@ -356,6 +356,7 @@ def isa_outputs(load: Callable[[], object]) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.slow  # builds the AVX2 extension once per source version (~40 s)
 @pytest.mark.skipif(
     cpu_isa.forced_isa() is not None or cpu_isa.isa_tier() not in ("avx512", "avx512_bf16", "amx_bf16"),
     reason="needs an AVX-512 CPU running its own tier (else both builds are the AVX2 one)",
