@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from vlm_engine.models.quantized import GEMM_MIN_ROWS, QuantizedLinear
+from vlm_engine.models.quantized import GEMM_MIN_ROWS, WO_MIN_ROWS, QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = {1: "avx512-vnni", 2: "avx-vnni-256", 3: "avx2-maddubs"}
@@ -154,6 +154,7 @@ from vlm_engine.models.fused_ops import load_fused_ops
 from vlm_engine.models.int8_gemm import load_int8_gemm
 ops, gemm = load_fused_ops(), load_int8_gemm()
 assert gemm.impls() == [3], gemm.impls()
+assert not gemm.wo_available()  # bf16 compute needs AVX-512 BF16
 g = torch.Generator().manual_seed(0)
 for bits in (8, 4):
     for m, n, k in ((1, 37, 64), (19, 100, 96), (64, 130, 576)):
@@ -178,3 +179,75 @@ def test_the_avx2_build_equals_the_decode_kernel(gemm: Any) -> None:
         timeout=600,
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.fixture
+def wo(gemm: Any) -> Any:
+    if not gemm.wo_available():
+        pytest.skip("this build has no AVX-512 BF16 path for int8 weights with bf16 compute")
+    return gemm
+
+
+def _exact_weights(codes: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The int8 weights d * q [n, k] in float64, read from the panels (exact)."""
+    q, d, _ = _panel_codes(codes, scales, n, 8)
+    return q.double() * d.repeat_interleave(32, dim=1)
+
+
+@pytest.mark.parametrize("m, n, k", [*SHAPES, (16, 3072, 576), (300, 70, 1536)])
+def test_bf16_compute_against_the_exact_int8_weights(ops: Any, wo: Any, m: int, n: int, k: int) -> None:
+    """wo_gemm: bf16 rows times the int8 weights, against float64 on the exact weights: within the
+    weights' rounding to bf16 (2^-9 of each |w|, summed as |x| |w|) and y's to bf16 (2^-9 of |y|);
+    and against the float64 product with those bf16-rounded weights, within y's rounding and fp32 sums."""
+    w, b, x = _case(m, n, k, seed=m + n + k)
+    codes, scales = ops.quantize_panels(w, 8)
+    x = x.bfloat16()
+    exact = _exact_weights(codes, scales, n)
+    magnitude = x.double().abs() @ exact.abs().T
+    for bias in (b, None):
+        got = wo.wo_gemm(x, codes, scales, n, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        shift = 0 if bias is None else bias.double()
+        want = x.double() @ exact.T + shift
+        assert ((got.double() - want).abs() <= 2**-8 * want.abs() + 2**-9 * magnitude + 1e-6).all(), (m, n, k)
+        rounded = x.double() @ exact.float().bfloat16().double().T + shift  # d * q rounded to bf16
+        assert ((got.double() - rounded).abs() <= 2**-8 * rounded.abs() + 1e-5 * magnitude + 1e-6).all(), (m, n, k)
+
+
+def test_bf16_compute_threads_give_the_same_numbers(ops: Any, wo: Any) -> None:
+    w, b, x = _case(150, 200, 576, seed=7)
+    codes, scales = ops.quantize_panels(w, 8)
+    x = x.bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = wo.wo_gemm(x, codes, scales, 200, b)
+        torch.set_num_threads(max(2, before))
+        assert torch.equal(wo.wo_gemm(x, codes, scales, 200, b), want)
+    finally:
+        torch.set_num_threads(before)
+    wide = torch.cat([x, x[:, :64]], dim=1)[:, :576]  # rows with a stride
+    assert torch.equal(wo.wo_gemm(wide, codes, scales, 200, b), want)
+    with pytest.raises(RuntimeError, match="bf16"):
+        wo.wo_gemm(x.float(), codes, scales, 200, b)
+    codes4, scales4 = ops.quantize_panels(w, 4)
+    with pytest.raises(RuntimeError, match="features"):
+        wo.wo_gemm(x, codes4, scales4, 200, b)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_computes_int8_in_bf16_from_wo_min_rows(ops: Any, wo: Any, bits: int) -> None:
+    """bf16 rows of an int8 layer from WO_MIN_ROWS rows: wo_gemm; fp32 rows and int4 keep the
+    integer GEMM (equal to the decode kernel bit for bit)."""
+    layer = QuantizedLinear(nn.Linear(96, 70).requires_grad_(False), bits, ops)
+    rows = layer.rows_fn()
+    for m in (WO_MIN_ROWS - 1, WO_MIN_ROWS, 2 * WO_MIN_ROWS + 3):
+        x = torch.randn(m, 96, generator=torch.Generator().manual_seed(m))
+        integer = ops.quant_panel_linear(x, layer.codes, layer.scales, 70, bits, layer.bias)
+        assert torch.equal(rows(x), integer)
+        half = x.bfloat16()
+        if bits == 8 and m >= WO_MIN_ROWS:
+            want = wo.wo_gemm(half, layer.codes, layer.scales, 70, layer.bias)
+        else:
+            want = ops.quant_panel_linear(half.float(), layer.codes, layer.scales, 70, bits, layer.bias).bfloat16()
+        assert torch.equal(rows(half), want) and torch.equal(layer(half.view(1, m, 96)), want.view(1, m, 70))

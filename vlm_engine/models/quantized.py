@@ -52,6 +52,12 @@ QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # the activations the layers
 # 2-core Zen 5), 3072x576 int8 at 1 / 2 / 3 / 4 rows took 65 / 59 / 52 / 57 us against the decode
 # kernel's 63 / 66 / 80 / 92, 1536x8960 418 / 487 / 460 / 525 against 434 / 493 / 664 / 770.
 GEMM_MIN_ROWS = 2
+# bf16 rows times int8 weights on vdpbf16ps (the GEMM's `wo_gemm`, AVX-512 BF16 builds) from here up:
+# SmolLM2's decoder linears, weights cycling through memory, 1 thread, 2-core Zen 5, ms per layer,
+# VNNI / bf16 compute / the bf16 dot kernel: 16 rows 0.33 / 0.42 / 0.32, 32 rows 0.66 / 0.66 / 0.56,
+# 64 rows 1.38 / 1.19 / 1.08, 256 rows 5.77 / 4.29 / 4.31 (its dequantization, ~20 instructions per
+# 64 codes, is shared by a chunk's rows: below ~32 it costs more than vpdpbusd's lower rate).
+WO_MIN_ROWS = 48
 
 
 class QuantizedLinear(nn.Module):
@@ -102,10 +108,15 @@ def _bind_rows(
     """The product of contiguous [T >= 1, in] rows, weights bound: forward's body, the layer plans'
     linear. From `GEMM_MIN_ROWS` rows the int8 GEMM (the same numbers bit for bit), which takes bf16
     rows and rounds its fp32 sums (bias added) to bf16 once; below, the decode kernel (fp32 only)
-    on the rows widened to fp32, its output rounded the same way."""
+    on the rows widened to fp32, its output rounded the same way. int8 weights and bf16 rows from
+    `WO_MIN_ROWS` rows: the GEMM's bf16-compute path where the build has it (x not rounded to int8:
+    other numbers, closer to the exact product)."""
     big = None if gemm is None else gemm.quant_gemm
+    wide = gemm.wo_gemm if gemm is not None and bits == 8 and gemm.wo_available() else None
 
     def rows(x: torch.Tensor) -> torch.Tensor:
+        if wide is not None and x.shape[0] >= WO_MIN_ROWS and x.dtype == torch.bfloat16:
+            return wide(x, codes, scales, n, bias)
         if big is not None and x.shape[0] >= GEMM_MIN_ROWS:
             return big(x, codes, scales, n, bits, bias)
         if x.dtype == torch.float32:

@@ -29,6 +29,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -44,6 +45,11 @@
 #define VLM_INT8_ZMM 1
 #else
 #define VLM_INT8_ZMM 0
+#endif
+#if VLM_INT8_ZMM && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define VLM_INT8_BF16 1
+#else
+#define VLM_INT8_BF16 0
 #endif
 #if VLM_INT8_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
 #define VLM_INT8_YMM_VNNI 1
@@ -381,10 +387,13 @@ void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64
   tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead, next);
 }
 
-// Threads take strips of NV vectors of columns. A thread takes x in chunks of rows whose codes stay in
-// its L2, and walks each strip's inputs in blocks (kWeightBlockBytes of codes) that stay in L1 while
-// every row tile of the chunk passes them; the chunk x strip sums between blocks stay in L1 as well
-// (walking all strips per block instead sent them through L3 once y outgrew L2: -20% at 1024 rows).
+// Threads take strips of NV vectors of columns from a shared counter, for each chunk of x's rows
+// whose codes stay in L2, and walk each strip's inputs in blocks (kWeightBlockBytes of codes) that
+// stay in L1 while every row tile of the chunk passes them; the chunk x strip sums between blocks
+// stay in L1 as well (walking all strips per block instead sent them through L3 once y outgrew L2:
+// -20% at 1024 rows). The counter, not a static split: in a VM the two cores do not run at the same
+// speed from one product to the next, and the bf16 dot kernel, which lets the faster one take the
+// other's share, lost less to it in the server. Every output is still one thread's same chain.
 template <class V, int Bits>
 void run(const Problem& p, int64_t m) {
   constexpr int64_t strip_cols = V::kNV * V::kCols;
@@ -393,16 +402,18 @@ void run(const Problem& p, int64_t m) {
   const int64_t rows = std::clamp<int64_t>(kRowChunkBytes / p.k / V::kMR * V::kMR, V::kMR, kRowChunk);
   const int64_t block_groups = std::max<int64_t>(1, kWeightBlockBytes / (strip_cols / kPanel * group_bytes));
   const int64_t panels = (p.n + kPanel - 1) / kPanel, strip_panels = std::max<int64_t>(1, strip_cols / kPanel);
-  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < m; r0 += rows) {
-      const int64_t r1 = std::min(m, r0 + rows);
-      for (int64_t s = begin; s < end; ++s) {
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), strips);
+  for (int64_t r0 = 0; r0 < m; r0 += rows) {
+    const int64_t r1 = std::min(m, r0 + rows);
+    std::atomic<int64_t> counter{0};
+    auto work = [&](int64_t, int64_t) {
+      int64_t s = counter.fetch_add(1);
+      while (s < strips) {
+        const int64_t after = counter.fetch_add(1);  // taken now, so that its codes can come in meanwhile
         const int64_t col0 = s * strip_cols;
         const int nv = static_cast<int>(std::min<int64_t>(V::kNV, (p.n - col0 + V::kCols - 1) / V::kCols));
-        // The strip after this one: the next of this thread's, or its first for the next chunk of rows.
-        const int64_t after = s + 1 < end ? s + 1 : (r1 < m ? begin : -1);
         NextStrip next;
-        if (after >= 0 && after != s) {
+        if (after < strips) {
           const int64_t p0 = after * strip_cols / kPanel, np = std::min(strip_panels, panels - p0);
           next.codes = reinterpret_cast<const char*>(p.codes + p0 * p.panel_bytes);
           next.code_lines = np * p.panel_bytes / 64;
@@ -414,15 +425,21 @@ void run(const Problem& p, int64_t m) {
         for (int64_t g0 = 0; g0 < p.groups; g0 += block_groups) {
           const int64_t g1 = std::min(p.groups, g0 + block_groups);
           // What the next block reads: this strip's next inputs, or the next strip's first ones.
-          const int64_t ahead = g1 < p.groups ? (g1 - g0) * group_bytes : (s + 1 < end ? strip_bytes - g0 * group_bytes : 0);
+          const int64_t ahead =
+              g1 < p.groups ? (g1 - g0) * group_bytes : (after < strips ? (after - s) * strip_bytes - g0 * group_bytes : 0);
           for (int64_t r = r0; r < r1; r += V::kMR) {
             const int mr = static_cast<int>(std::min<int64_t>(V::kMR, r1 - r));
             tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next);
           }
         }
+        s = after;
       }
-    }
-  });
+    };
+    if (threads > 1)
+      at::parallel_for(0, threads, 1, work);
+    else
+      work(0, 1);
+  }
 }
 
 template <class V>
@@ -434,6 +451,149 @@ void run_bits(const Problem& p, int64_t m, int64_t bits) {
   }
 }
 #endif  // VLM_INT8_AVX2
+
+#if VLM_INT8_BF16
+// Weight-only int8 with bf16 compute (`wo_gemm`): bf16 rows times the dequantized weights d * q
+// rounded to bf16 (nearest even), on vdpbf16ps, fp32 sums, y rounded to bf16 once. x is not rounded
+// to int8: against the exact int8 weights the error is the weights' bf16 rounding (<= 2^-9 of each
+// |w|, as in a bf16 model of the same weights) where the VNNI path rounds each x to int8 (<= 1/254
+// of its group's max |x|).
+//
+// Why: on the 2-core Zen 5 vpdpbusd issues at well under half vdpbf16ps's rate, so the VNNI GEMM
+// above ran decoder products of 16-256 rows at ~0.75-0.9x the bf16 dot kernel (SmolLM2's linears,
+// 1 thread); int8's only advantage there is half the weight bytes. A thread dequantizes one strip
+// of columns (kWoNV panels, all of K) into a bf16 buffer of vdpbf16ps pairs (L1/L2: 96 bytes per
+// input) once per chunk of rows, and every row tile of the chunk reads it from there, so the
+// conversion (~20 instructions per 64 codes) is shared by all the rows; the next strip's codes and
+// scales are prefetched over the current strip's tiles, and threads take strips from a shared
+// counter (a VM's two cores do not run at the same speed). Keeping q exact and scaling each group's
+// fp32 sum by d instead cost ~17% at 256 rows (3072x576, 1 thread: 373 vs 451 GFLOP/s): the
+// per-group sums drain the 24 vdpbf16ps chains every 16 pairs.
+constexpr int kWoMR = 8, kWoNV = 3;  // 24 sums + 3 weight vectors + x in 32 zmm, as the bf16 dot kernel
+constexpr int64_t kWoRowChunk = 128;
+
+// 64 codes (16 columns x 4 inputs, one panel block) times their columns' scales d as two vectors of
+// bf16 pairs: inputs 0-1 and 2-3 of each column.
+inline void dequantize_block(const uint8_t* codes, __m512 d, uint16_t* pair01, uint16_t* pair23) {
+  const __m512i v = _mm512_loadu_si512(codes);
+  const __m512 f0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24)));
+  const __m512 f1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24)));
+  const __m512 f2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24)));
+  const __m512 f3 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24)));
+  // vcvtne2ps2bf16 puts its second operand's 16 values in the low half: interleave them per column.
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(pair01, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(f1, f0)));
+  _mm512_storeu_si512(pair23, _mm512_permutexvar_epi16(order, (__m512i)_mm512_cvtne2ps_pbh(f3, f2)));
+}
+
+// One strip's operands: the bf16 pairs [nv][k/2][16], x, y.
+struct WoStrip {
+  const uint16_t* pairs;
+  const at::BFloat16* x;
+  int64_t xs, k, n, col0;
+  const float* bias;
+  at::BFloat16* y;
+};
+
+// MR rows x NV panels over all of K, the sums in registers.
+template <int MR, int NV>
+void wo_tile(const WoStrip& s, int64_t row0, NextStrip& next) {
+  const int64_t half_k = s.k / 2;
+  __m512 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const uint16_t*>(s.x + (row0 + r) * s.xs);
+  for (int64_t g = 0; g < s.k / kGroup; ++g) {
+#pragma GCC unroll 16
+    for (int p = 0; p < kGroup / 2; ++p) {
+      const int64_t pair = g * (kGroup / 2) + p;
+      __m512bh w[NV];
+      for (int v = 0; v < NV; ++v) {
+        __m512i wv = _mm512_loadu_si512(s.pairs + (v * half_k + pair) * kPanel * 2);
+        asm("" : "+v"(wv));  // held in a register for the MR rows: GCC otherwise reloads it for every row
+        w[v] = (__m512bh)wv;
+      }
+      for (int r = 0; r < MR; ++r) {
+        int32_t x2;
+        std::memcpy(&x2, xr[r] + 2 * pair, 4);
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(x2);
+        for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, w[v]);
+      }
+    }
+    next.step();
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t c = s.col0 + v * kPanel, cols = std::min<int64_t>(kPanel, s.n - c);
+    const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+    const __m512 b = s.bias ? _mm512_maskz_loadu_ps(keep, s.bias + c) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r)  // vcvtneps2bf16: nearest even, as torch's .to(bfloat16)
+      _mm256_mask_storeu_epi16(s.y + (row0 + r) * s.n + c, keep,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b)));
+  }
+}
+
+template <int MR, int NV>
+void wo_tile_of(int mr, int nv, const WoStrip& s, int64_t row0, NextStrip& next) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return wo_tile_of<MR - 1, NV>(mr, nv, s, row0, next);
+  }
+  if constexpr (NV > 1) {
+    if (nv < NV) return wo_tile_of<MR, NV - 1>(mr, nv, s, row0, next);
+  }
+  wo_tile<MR, NV>(s, row0, next);
+}
+
+void wo_run(const at::BFloat16* x, int64_t xs, int64_t m, int64_t k, const uint8_t* codes, const uint16_t* scales,
+            int64_t n, const float* bias, at::BFloat16* y) {
+  const int64_t groups = k / kGroup, panel_bytes = k * kPanel, panel_scales = groups * 2 * kPanel;
+  const int64_t panels = (n + kPanel - 1) / kPanel, strips = (panels + kWoNV - 1) / kWoNV;
+  const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), strips);
+  for (int64_t r0 = 0; r0 < m; r0 += kWoRowChunk) {
+    const int64_t r1 = std::min(m, r0 + kWoRowChunk), tiles = (r1 - r0 + kWoMR - 1) / kWoMR;
+    std::atomic<int64_t> counter{0};
+    auto work = [&](int64_t, int64_t) {
+      // One buffer per thread for the life of the process (a fresh one per call cost its zeroing).
+      static thread_local std::vector<uint16_t> buffer;
+      buffer.resize(std::max(buffer.size(), static_cast<size_t>(kWoNV * k * kPanel) + 32));
+      uint16_t* pairs = buffer.data() + (32 - reinterpret_cast<uintptr_t>(buffer.data()) / 2 % 32) % 32;  // 64-byte aligned
+      int64_t s = counter.fetch_add(1);
+      while (s < strips) {
+        const int64_t after = counter.fetch_add(1);  // taken now, so that its codes can come in meanwhile
+        const int64_t p0 = s * kWoNV, np = std::min<int64_t>(kWoNV, panels - p0);
+        for (int64_t v = 0; v < np; ++v) {
+          const uint8_t* c = codes + (p0 + v) * panel_bytes;
+          const uint16_t* d = scales + (p0 + v) * panel_scales;
+          uint16_t* out = pairs + v * k * kPanel;
+          for (int64_t b = 0; b < k / 4; ++b) {
+            const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b / 8 * 2 * kPanel)));
+            dequantize_block(c + b * kBlockBytes, dv, out + 2 * b * 32, out + (2 * b + 1) * 32);
+          }
+        }
+        NextStrip next;
+        if (after < strips) {
+          const int64_t q0 = after * kWoNV, nq = std::min<int64_t>(kWoNV, panels - q0);
+          next.codes = reinterpret_cast<const char*>(codes + q0 * panel_bytes);
+          next.code_lines = nq * panel_bytes / 64;
+          next.scales = reinterpret_cast<const char*>(scales + q0 * panel_scales);
+          next.scale_lines = nq * panel_scales * 2 / 64;
+          next.lines = next.code_lines + next.scale_lines;
+          next.iters = tiles * groups;
+        }
+        const WoStrip strip{pairs, x, xs, k, n, p0 * kPanel, bias, y};
+        for (int64_t r = r0; r < r1; r += kWoMR)
+          wo_tile_of<kWoMR, kWoNV>(static_cast<int>(std::min<int64_t>(kWoMR, r1 - r)), static_cast<int>(np), strip, r, next);
+        s = after;
+      }
+    };
+    if (threads > 1)
+      at::parallel_for(0, threads, 1, work);
+    else
+      work(0, 1);
+  }
+}
+#endif  // VLM_INT8_BF16
 
 enum Impl : int64_t { kAuto = 0, kZmmVnni = 1, kYmmVnni = 2, kYmmAvx2 = 3 };
 
@@ -499,6 +659,33 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   return bf16 ? y.to(at::kBFloat16) : y;
 }
 
+bool wo_available() { return VLM_INT8_BF16; }
+
+// bf16 [M, K] rows times int8 panels on vdpbf16ps (see wo_run): bf16 [M, N].
+at::Tensor wo_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n,
+                   const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU bf16 [M, K] tensor with a contiguous last dim");
+  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
+  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), groups = k / kGroup;
+  TORCH_CHECK(codes.size(1) * 4 == k, "x has ", k, " features, the int8 weight ", codes.size(1) * 4);
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * groups * 2 * kPanel, "scales do not match the codes");
+  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
+    bp = bias->data_ptr<float>();
+  }
+  TORCH_CHECK(wo_available(), "this build of the int8 GEMM has no AVX-512 BF16 path");
+  at::Tensor y = at::empty({m, n}, x.options());
+#if VLM_INT8_BF16
+  if (m > 0)
+    wo_run(x.data_ptr<at::BFloat16>(), x.stride(0), m, k, static_cast<const uint8_t*>(codes.data_ptr()),
+           reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()), n, bp, y.data_ptr<at::BFloat16>());
+#endif
+  return y;
+}
+
 const char* impl_name(int64_t impl) {
   switch (impl) {
     case kZmmVnni:
@@ -518,6 +705,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "vlm_engine int8 / int4 GEMM on the int8 dot products (AVX-512 VNNI, AVX-VNNI, AVX2)";
   m.def("quant_gemm", &quant_gemm, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bits"),
         py::arg("bias") = py::none(), py::arg("impl") = 0, py::call_guard<py::gil_scoped_release>());
+  m.def("wo_gemm", &wo_gemm, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("n"), py::arg("bias") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("wo_available", &wo_available, "whether this build has the weight-only bf16-compute path (AVX-512 BF16)");
   m.def("impls", &impls, "the paths this build has (1 AVX-512 VNNI, 2 256-bit VNNI, 3 AVX2)");
   m.def("impl_name", [](int64_t impl) { return std::string(impl_name(resolve(impl))); }, py::arg("impl") = 0,
         "the path `impl` runs in this build");
