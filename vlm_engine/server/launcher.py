@@ -3,7 +3,7 @@
 Process layout (all children use the `spawn` start method):
     api server (this process: uvicorn + FastAPI, nice 10; never imports torch)
     ├── vlm-core    engine core: scheduler + model runner (normal priority, all torch threads)
-    ├── vlm-detok   detokenizer (nice 10, 1 torch thread)
+    ├── vlm-detok   detokenizer (nice 10; the tokenizers library alone, no torch)
     └── vlm-prep-i  preprocess workers (nice 10, 1 torch thread each)
 
 Lifecycle:
