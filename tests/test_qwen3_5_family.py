@@ -11,6 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from testkit.videos import make_clip
+from tests.conftest import hf_greedy, make_image
+from tests.family_table import Family, exact_engine, family, hf_model, references
+from tests.test_qwen_vl_families import FPS, GREEDY, hf_video_greedy, video_conv
+from vlm_engine import Engine
 from vlm_engine.attention.backends import create_backend
 from vlm_engine.attention.base import AttentionMetadata
 from vlm_engine.models import loader
@@ -263,25 +268,16 @@ def test_a_model_without_state_needs_no_state(layer_types: list[str]) -> None:
 
 
 @pytest.fixture(scope="module", params=["qwen3.5", "qwen3.5-moe"])
-def row(request: pytest.FixtureRequest) -> Any:
-    from tests.family_table import family
-
+def row(request: pytest.FixtureRequest) -> Family:
     return family(request.param)
 
 
 @pytest.fixture(scope="module")
 def clip() -> bytes:
-    from tests.conftest import make_image
-    from testkit.videos import make_clip
-
     return make_clip(width=97, height=75, fps=7, seconds=3, pix_fmt="yuv444p", picture=make_image(200, 150, 8))
 
 
-def test_video_and_image_with_video_match_hf(row: Any, clip: bytes) -> None:
-    from tests.conftest import make_image
-    from tests.family_table import exact_engine, hf_model
-    from tests.test_qwen_vl_families import FPS, GREEDY, hf_video_greedy, video_conv
-
+def test_video_and_image_with_video_match_hf(row: Family, clip: bytes) -> None:
     engine, image = exact_engine(row), make_image(61, 45, 9)
     video = engine.chat([video_conv(clip)], GREEDY, mm_processor_kwargs={"fps": FPS})[0]
     assert video.token_ids == hf_video_greedy(hf_model(row), clip)
@@ -289,21 +285,14 @@ def test_video_and_image_with_video_match_hf(row: Any, clip: bytes) -> None:
     assert both.token_ids == hf_video_greedy(hf_model(row), clip, image)
 
 
-def test_24_token_chunks_cutting_through_images_equal_one_prefill(row: Any) -> None:
-    from tests.family_table import references
-    from vlm_engine import Engine
-
+def test_24_token_chunks_cutting_through_images_equal_one_prefill(row: Family) -> None:
     engine = Engine(str(row.path), dtype="float32", numerics="exact", kv_cache_tokens=4096, max_num_batched_tokens=24)
     assert [o.token_ids for o in engine.chat(row.conversations, row.greedy)] == list(references(row))
 
 
-def test_a_prefix_hit_mid_conversation_restores_a_state_snapshot(row: Any) -> None:
+def test_a_prefix_hit_mid_conversation_restores_a_state_snapshot(row: Family) -> None:
     """The next turn of a conversation reuses the cached pages of the turns before it: the linear layers
     resume from the snapshot at the hit's end, and the answer is still Transformers'."""
-    from tests.conftest import hf_greedy
-    from tests.family_table import hf_model
-    from vlm_engine import Engine
-
     engine = Engine(str(row.path), dtype="float32", numerics="exact", kv_cache_tokens=4096)
     conv = row.conversations[3]
     first = engine.chat([conv], row.greedy)[0]
@@ -314,10 +303,7 @@ def test_a_prefix_hit_mid_conversation_restores_a_state_snapshot(row: Any) -> No
     assert out.token_ids == hf_greedy(hf_model(row), follow_up, row.max_tokens)
 
 
-def test_ngram_speculation_equals_plain_greedy(row: Any) -> None:
-    from tests.family_table import references
-    from vlm_engine import Engine
-
+def test_ngram_speculation_equals_plain_greedy(row: Family) -> None:
     spec = Engine(
         str(row.path), dtype="float32", kv_cache_tokens=4096, numerics="exact",
         speculative="ngram", speculative_disable_batch_size=1000,
