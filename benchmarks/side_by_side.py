@@ -207,18 +207,18 @@ def tree_pss_bytes(pid: int) -> int:
     import psutil
 
     try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        pids = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
     except psutil.Error:
         return 0
-    total = 0
-    for proc in procs:
-        try:
-            rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
-        total += sum(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:"))
-    return total
+    return sum(_pss_bytes(p) for p in pids)
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:  # exited meanwhile
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in rollup.splitlines() if line.startswith("Pss:"))
 
 
 def kv_log_line(log: str) -> str:
