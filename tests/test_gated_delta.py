@@ -72,9 +72,10 @@ def piece(x: SimpleNamespace, start: int, end: int) -> SimpleNamespace:
     return SimpleNamespace(**{n: (t[start:end] if t.dim() > 1 else t) for n, t in vars(x).items()})
 
 
-def hf_chunk(x: SimpleNamespace, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_rule(rule: Callable[..., tuple[torch.Tensor, torch.Tensor]], x: SimpleNamespace, state: torch.Tensor):
+    """One of Transformers' rules on a batch of one, from `state`: (output, final state)."""
     g, beta = hf_gating(x)
-    out, final = hf.torch_chunk_gated_delta_rule(
+    out, final = rule(
         x.q[None],
         x.k[None],
         x.v[None],
@@ -85,21 +86,14 @@ def hf_chunk(x: SimpleNamespace, state: torch.Tensor) -> tuple[torch.Tensor, tor
         use_qk_l2norm_in_kernel=True,
     )
     return out[0], final[0]
+
+
+def hf_chunk(x: SimpleNamespace, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return hf_rule(hf.torch_chunk_gated_delta_rule, x, state)
 
 
 def hf_recurrent(x: SimpleNamespace, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    g, beta = hf_gating(x)
-    out, final = hf.torch_recurrent_gated_delta_rule(
-        x.q[None],
-        x.k[None],
-        x.v[None],
-        g=g[None],
-        beta=beta[None],
-        initial_state=state[None],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    return out[0], final[0]
+    return hf_rule(hf.torch_recurrent_gated_delta_rule, x, state)
 
 
 def exact_recurrence(x: SimpleNamespace, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

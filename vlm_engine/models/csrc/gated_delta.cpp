@@ -478,7 +478,7 @@ void delta_chunk(const HeadInputs<E>& in, const DeltaShape& sh, int64_t t0, int6
 // One token of the recurrent rule on S [k_dim][v_dim]: decay, read, delta write, output.
 template <typename E>
 void delta_step(const HeadInputs<E>& in, const DeltaShape& sh, int64_t t, float* S, typename E::raw_t* out,
-                float* q, float* k, float* acc) {
+                float* q, float* k, float* acc, float* o) {
   const int64_t Dk = sh.k_dim, Dv = sh.v_dim;
   in.load_qk(t, sh, q, k);
   const float decay = std::exp(in.log_decay(t)), beta = in.beta(t);
@@ -501,9 +501,6 @@ void delta_step(const HeadInputs<E>& in, const DeltaShape& sh, int64_t t, float*
   // delta = beta (v - k S), kept in acc.
   for (int64_t e = 0; e < Dv; ++e) acc[e] = (E::load(in.v[t * in.v_stride + e]) - acc[e]) * beta;
   // Pass 2: S += k^T delta; o = q S.
-  std::vector<float> o_buf;  // small; Dv floats
-  float o_stack[512];
-  float* o = Dv <= 512 ? o_stack : (o_buf.resize(Dv), o_buf.data());
   std::fill(o, o + Dv, 0.0f);
   for (int64_t d = 0; d < Dk; ++d) {
     float* row = S + d * Dv;
@@ -548,46 +545,39 @@ HeadInputs<E> head_inputs(const DeltaArgs& args, int64_t h) {
   return in;
 }
 
-template <typename E>
-at::Tensor prefill_impl(const DeltaArgs& args, const Spans& spans) {
+// Every (sequence, value head) is one task, so batching changes no result. kChunked: the span runs
+// in 64-token chunks (prefill); else token by token on the recurrent rule (decode).
+template <typename E, bool kChunked>
+at::Tensor delta_impl(const DeltaArgs& args, const Spans& spans) {
   const DeltaShape& sh = args.shape;
-  const int64_t tokens = args.v.size(0);
-  at::Tensor out = at::empty({tokens, sh.v_heads, sh.v_dim}, args.v.options());
+  at::Tensor out = at::empty({args.v.size(0), sh.v_heads, sh.v_dim}, args.v.options());
   auto* op = E::data(out);
   float* pool = args.pool.data_ptr<float>();
   const int64_t slot_stride = args.pool.stride(0), head_stride = sh.k_dim * sh.v_dim;
   const int64_t out_stride = sh.v_heads * sh.v_dim;
   at::parallel_for(0, spans.count * sh.v_heads, 1, [&](int64_t begin, int64_t end) {
-    ChunkScratch scratch(sh);
+    // Scratch: a chunk's matrices, or a token's q, k, delta and output.
+    std::optional<ChunkScratch> sc;
+    std::vector<float> step;
+    if constexpr (kChunked) {
+      sc.emplace(sh);
+    } else {
+      step.resize(2 * (sh.k_dim + sh.v_dim));
+    }
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / sh.v_heads, h = task % sh.v_heads;
       const int64_t start = spans.cu[s], length = spans.cu[s + 1] - start;
-      HeadInputs<E> in = head_inputs<E>(args, h);
+      const HeadInputs<E> in = head_inputs<E>(args, h);
       float* S = pool + spans.slots[s] * slot_stride + h * head_stride;
-      for (int64_t c = 0; c < length; c += kChunk)
-        delta_chunk<E>(in, sh, start + c, std::min<int64_t>(kChunk, length - c), S, op + h * sh.v_dim, out_stride,
-                       scratch);
-    }
-  });
-  return out;
-}
-
-template <typename E>
-at::Tensor decode_impl(const DeltaArgs& args, const Spans& spans) {
-  const DeltaShape& sh = args.shape;
-  const int64_t tokens = args.v.size(0);
-  at::Tensor out = at::empty({tokens, sh.v_heads, sh.v_dim}, args.v.options());
-  auto* op = E::data(out);
-  float* pool = args.pool.data_ptr<float>();
-  const int64_t slot_stride = args.pool.stride(0), head_stride = sh.k_dim * sh.v_dim;
-  at::parallel_for(0, spans.count * sh.v_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(sh.k_dim), k(sh.k_dim), acc(sh.v_dim);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / sh.v_heads, h = task % sh.v_heads;
-      HeadInputs<E> in = head_inputs<E>(args, h);
-      float* S = pool + spans.slots[s] * slot_stride + h * head_stride;
-      for (int64_t t = spans.cu[s]; t < spans.cu[s + 1]; ++t)
-        delta_step<E>(in, sh, t, S, op + (t * sh.v_heads + h) * sh.v_dim, q.data(), k.data(), acc.data());
+      auto* head_out = op + h * sh.v_dim;
+      if constexpr (kChunked) {
+        for (int64_t c = 0; c < length; c += kChunk)
+          delta_chunk<E>(in, sh, start + c, std::min<int64_t>(kChunk, length - c), S, head_out, out_stride, *sc);
+      } else {
+        for (int64_t t = start; t < start + length; ++t)
+          delta_step<E>(in, sh, t, S, head_out + t * out_stride, step.data(), step.data() + sh.k_dim,
+                        step.data() + 2 * sh.k_dim, step.data() + 2 * sh.k_dim + sh.v_dim);
+      }
     }
   });
   return out;
@@ -625,7 +615,7 @@ at::Tensor gated_delta_prefill(const at::Tensor& q, const at::Tensor& k, const a
                                at::Tensor state_pool, const at::Tensor& slots, const at::Tensor& cu_seqlens) {
   const DeltaArgs args = check_delta(q, k, v, a, b, A_log, dt_bias, state_pool);
   const Spans spans = check_spans(cu_seqlens, slots, v.size(0), state_pool.size(0));
-  return v.scalar_type() == at::kBFloat16 ? prefill_impl<BF16>(args, spans) : prefill_impl<F32>(args, spans);
+  return v.scalar_type() == at::kBFloat16 ? delta_impl<BF16, true>(args, spans) : delta_impl<F32, true>(args, spans);
 }
 
 at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& a,
@@ -636,7 +626,8 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
   TORCH_CHECK(v.size(0) == count, "decode takes one token per slot");
   at::Tensor cu = at::arange(count + 1, slots.options());
   const Spans spans = check_spans(cu, slots, count, state_pool.size(0));
-  return v.scalar_type() == at::kBFloat16 ? decode_impl<BF16>(args, spans) : decode_impl<F32>(args, spans);
+  return v.scalar_type() == at::kBFloat16 ? delta_impl<BF16, false>(args, spans)
+                                          : delta_impl<F32, false>(args, spans);
 }
 
 }  // namespace
