@@ -31,17 +31,26 @@ LINEAR, FULL = "linear_attention", "full_attention"
 
 
 @dataclass(frozen=True)
-class LinearStep:
-    """How a step's sequences run through the linear layers, worked out once a step: `cu_seqlens` of
-    the prefill spans and their `slots`; the decode tokens (one token of a sequence that has a state),
-    which take the recurrent rule as Transformers' decode does, at `decode_rows` with `decode_slots`.
-    `prefill_rows` None: every row is in a prefill span (no decode token in the step)."""
+class Spans:
+    """Sequences of a step that one op runs: `cu_seqlens` over their rows, their state `slots`, and the
+    step's `rows` they hold (None: every row of the step, in order)."""
 
-    cu_seqlens: torch.Tensor  # [P + 1] int64 over the prefill rows
-    slots: torch.Tensor  # [P] int64
-    decode_rows: torch.Tensor | None  # [D] int64 rows of the step; None: no decode token
-    decode_slots: torch.Tensor | None  # [D] int64
-    prefill_rows: torch.Tensor | None  # rows of the prefill spans where decode tokens sit among them
+    cu_seqlens: torch.Tensor  # [n + 1] int64
+    slots: torch.Tensor  # [n] int64
+    rows: torch.Tensor | None
+
+    def pick(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rows is None else x[self.rows]
+
+
+@dataclass(frozen=True)
+class LinearStep:
+    """How a step's sequences run through the linear layers, worked out once a step: the decode tokens
+    (one token of a sequence that has a state) take the recurrent rule, as Transformers' cached decode
+    does; every other span (a prompt, a prefill chunk, a draft to verify) the chunked rule."""
+
+    decode: Spans | None
+    prefill: Spans | None
 
 
 def linear_step(ctx: ForwardContext) -> LinearStep:
@@ -50,25 +59,23 @@ def linear_step(ctx: ForwardContext) -> LinearStep:
         raise RuntimeError("Qwen3.5's linear-attention layers need the step's state slots (ForwardContext.state)")
     lengths = meta.query_lens_host
     decode = [n == 1 and initial for n, initial in zip(lengths, state.has_initial_state_host)]
-    slots = state.slots.to(torch.long)
+    slots, device = state.slots.to(torch.long), state.slots.device
     if all(decode):
-        device = slots.device
-        empty = torch.zeros(1, dtype=torch.long, device=device)
-        return LinearStep(empty, slots[:0], torch.arange(len(lengths), device=device), slots, None)
+        return LinearStep(Spans(torch.arange(len(lengths) + 1, device=device), slots, None), None)
     if not any(decode):
-        return LinearStep(meta.query_start_loc.to(torch.long), slots, None, None, None)
+        return LinearStep(None, Spans(meta.query_start_loc.to(torch.long), slots, None))
     starts = meta.query_start_loc.tolist()
     prefill = [i for i, d in enumerate(decode) if not d]
-    spans = [torch.arange(starts[i], starts[i + 1]) for i in prefill]
+    decoding = [i for i, d in enumerate(decode) if d]
+    prefill_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in prefill])
     bounds = torch.tensor([0, *[lengths[i] for i in prefill]]).cumsum(0)
-    device = slots.device
-    decode_index = torch.tensor([i for i, d in enumerate(decode) if d], device=device)
     return LinearStep(
-        bounds.to(device),
-        slots[torch.tensor(prefill, device=device)],
-        torch.tensor([starts[i] for i, d in enumerate(decode) if d], device=device),
-        slots[decode_index],
-        torch.cat(spans).to(device),
+        Spans(
+            torch.arange(len(decoding) + 1, device=device),
+            slots[torch.tensor(decoding, device=device)],
+            torch.tensor([starts[i] for i in decoding], device=device),
+        ),
+        Spans(bounds.to(device), slots[torch.tensor(prefill, device=device)], prefill_rows.to(device)),
     )
 
 
@@ -151,26 +158,23 @@ class GatedDeltaNet(nn.Module):
         assert ctx.state is not None
         conv_pool, state_pool = ctx.state.pools[self.layer_idx]  # type: ignore[misc]
         weight = self.conv1d.weight.squeeze(1)
-        out = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        if step.decode_rows is not None:
-            rows, slots = step.decode_rows, step.decode_slots
-            assert slots is not None
-            one = torch.arange(rows.numel() + 1, device=x.device)  # a span of one token each
-            q, k, v = self._heads(gated_delta.causal_conv1d(mixed[rows], weight, conv_pool, slots, one))
-            out[rows] = gated_delta.gated_delta_decode(
-                q, k, v, a[rows], b[rows], self.A_log, self.dt_bias, state_pool, slots
-            )
-        if step.slots.numel():
-            rows = step.prefill_rows
-            span = (lambda y: y) if rows is None else (lambda y: y[rows])
-            conv = gated_delta.causal_conv1d(span(mixed), weight, conv_pool, step.slots, step.cu_seqlens)
+        parts = []
+        for spans, decoding in ((step.decode, True), (step.prefill, False)):
+            if spans is None:
+                continue
+            conv = gated_delta.causal_conv1d(spans.pick(mixed), weight, conv_pool, spans.slots, spans.cu_seqlens)
             q, k, v = self._heads(conv)
-            core = gated_delta.gated_delta_prefill(
-                q, k, v, span(a), span(b), self.A_log, self.dt_bias, state_pool, step.slots, step.cu_seqlens
-            )
-            if rows is None:
-                out = core
+            args = (q, k, v, spans.pick(a), spans.pick(b), self.A_log, self.dt_bias, state_pool, spans.slots)
+            if decoding:
+                core = gated_delta.gated_delta_decode(*args)
             else:
+                core = gated_delta.gated_delta_prefill(*args, spans.cu_seqlens)
+            parts.append((spans.rows, core))
+        if len(parts) == 1:
+            out = parts[0][1]
+        else:  # decode tokens beside prefill spans: each op's rows back in the step's order
+            out = torch.empty(t, self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+            for rows, core in parts:
                 out[rows] = core
         normed = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj.forward(normed.view(t, self.value_dim))
