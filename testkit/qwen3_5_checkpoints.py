@@ -2,7 +2,7 @@
 Transformers config classes (`Qwen3_5Config`, `Qwen3_5MoeConfig`), the tokenizer and chat template of
 `testkit.checkpoints` (Qwen2-VL's special tokens, as Qwen3-VL's), and Qwen3-VL's processor classes.
 
-    write_qwen3_5(path, preset="tiny" | "tiny-moe", seed=0) -> Path
+    write_qwen3_5(path, preset="tiny" | "tiny-moe" | "bench-2b", seed=0) -> Path
     cached_qwen3_5(preset, seed=0) -> Path
 
 The layer mixes are their own: "tiny" alternates linear and full attention ([linear, full, linear, full]),
@@ -45,6 +45,23 @@ QWEN3_5_PRESETS: dict[str, Preset] = {
         "pixels": (4 * 32 * 32, 64 * 32 * 32),
         "std": 0.2,
         "dtype": "float32",
+    },
+    # Benchmarks: a Qwen3.5-shaped model of about 2B (1.7B with our 2,048-row vocabulary): Qwen3.5-2B's
+    # hidden size, the released 3:1 mix over 24 layers, head_dim 256, 16 + 16 linear heads of 128; a
+    # Qwen3-VL-2B-sized tower. Other values are assumed, not read from a release.
+    "bench-2b": {
+        "text": {
+            "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 262144,
+            "mrope_section": [11, 11, 10], "tie_word_embeddings": True, "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 16, "layer_types": [LINEAR, LINEAR, LINEAR, FULL] * 6,
+        },
+        "vision": {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                   "num_position_embeddings": 2304},
+        "pixels": (3136, 12845056),
+        "std": 0.02,
+        "dtype": "bfloat16",
     },
 }  # fmt: skip
 
