@@ -403,18 +403,20 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def vision_split(model: Any, pixels: Any, grid: Any, runs: int = 3) -> dict[str, float]:
-    """ms per part of our tower's forward, fastest of `runs`: each linear kind, summed over the blocks (perf_counter
-    around the modules' forward); "rotary + attention" is the attention module less its qkv and proj (the fused RoPE
+    """ms per part of our tower's forward, fastest of `runs`: each linear kind, summed over the blocks (a clock around
+    the modules' forward: the thread's CPU time on one torch thread, which other processes' load does not inflate,
+    else wall time); "rotary + attention" is the attention module less its qkv and proj (the fused RoPE
     and the flash kernel), "silu * up" the MLP less its linears, "norms, reorder" the rest of the forward."""
     import torch
 
     spent: dict[str, float] = {}
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
     def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*a: Any, **k: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = clock()
             result = fn(*a, **k)
-            spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+            spent[key] = spent.get(key, 0.0) + clock() - t0
             return result
 
         return run
