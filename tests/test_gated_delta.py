@@ -311,6 +311,23 @@ def test_bf16_inputs_stay_close_to_transformers_bf16(impl: str) -> None:
     torch.testing.assert_close(got_conv.float(), want_conv.float(), rtol=2**-7, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_gated_rms_norm_is_transformers(impl: str, dtype: torch.dtype) -> None:
+    t, h, d = 5, 3, 40  # d off the vector widths: the scalar tail too
+    gen = _gen(90)
+    core = torch.randn(t, h, d, generator=gen).to(dtype)
+    z = torch.randn(t, h * d + 7, generator=gen).to(dtype)[:, 7:].view(t, h, d)  # a strided view, as the split
+    norm = hf.Qwen3_5RMSNormGated(d, eps=1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+    want = norm(core.reshape(-1, d), z.reshape(-1, d)).view(t, h, d)
+    got = gd.gated_rms_norm(core, z, norm.weight.data, 1e-6)
+    assert got.dtype == dtype and got.is_contiguous()
+    if dtype == torch.float32:  # a sum in another order and a 1-ulp exp
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the same bf16 roundings: at most one bf16 ulp apart
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+
+
 def test_bad_arguments_are_refused() -> None:
     ops = require_extension(gd.load_gated_delta_ops, "the gated delta C++ ops")
     x = layer_inputs(4, 1, 2, 8, 8, seed=70)
@@ -347,6 +364,7 @@ def isa_outputs(load: Callable[[], object]) -> dict[str, torch.Tensor]:
             cx, cw, None, conv_pool, torch.tensor([1, 0]), torch.tensor([0, 2, 11]), True
         )
         out[f"conv state {dtype}"] = conv_pool
+        out[f"norm {dtype}"] = ops.gated_rms_norm(x.v, x.v.flip(0), x.v[0, 0], 1e-6)
     return out
 
 

@@ -20,6 +20,9 @@ the output and final state of one span (to fp32 rounding: chunks of 64 start at 
 - `gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state_pool, slots)`: the recurrent rule,
   one token per sequence (T == B).
 
+- `gated_rms_norm(x, gate, weight, eps)`: Qwen3.5's gated RMSNorm over the rule's output, per head
+  row: x, gate [T, H, D] (the z projection viewed as heads; strided views are fine), weight [D].
+
 A slot must hold zeros when its sequence starts (the pool owner clears it at admission: `pool[slot] = 0`).
 Inputs are fp32 or bf16 (one dtype for all activations); the states of the gated rule stay fp32.
 
@@ -110,6 +113,14 @@ def gated_delta_decode(
     if ops is not None:
         return ops.gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state_pool, slots)
     return torch_gated_delta_decode(q, k, v, a, b, A_log, dt_bias, state_pool, slots)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(x) * weight * SiLU(gate) per head row, rounded as Transformers' Qwen3_5RMSNormGated; [T, H, D]."""
+    ops = _ops(x)
+    if ops is not None:
+        return ops.gated_rms_norm(x, gate, weight, eps)
+    return torch_gated_rms_norm(x, gate, weight, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,3 +231,9 @@ def torch_gated_delta_decode(
     S = S + kn.unsqueeze(-1) * delta.unsqueeze(-2)
     state_pool[slots] = S
     return (qn.unsqueeze(-1) * S).sum(-2).to(v.dtype)
+
+
+def torch_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * h.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)

@@ -630,6 +630,66 @@ at::Tensor gated_delta_decode(const at::Tensor& q, const at::Tensor& k, const at
                                           : delta_impl<F32, false>(args, spans);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The gated RMSNorm after the rule (Transformers' Qwen3_5RMSNormGated): per head row,
+// y = round(w * round(x * rsqrt(mean(x^2) + eps))) * silu(gate) in fp32, then rounded. One pass per
+// row instead of ~9 aten ops over the whole [T, H, D] block.
+
+template <typename E>
+void gated_norm_row(const typename E::raw_t* x, const typename E::raw_t* gate, const typename E::raw_t* weight,
+                    typename E::raw_t* out, int64_t D, float eps) {
+  vec ss_v = vset(0.0f);
+  int64_t e = 0;
+  for (; e + kLanes <= D; e += kLanes) {
+    const vec xv = E::vload(x + e);
+    ss_v += xv * xv;
+  }
+  float ss = 0.0f;
+  for (int l = 0; l < kLanes; ++l) ss += ss_v[l];
+  for (; e < D; ++e) ss += E::load(x[e]) * E::load(x[e]);
+  const float scale = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+  e = 0;
+  for (; e + kLanes <= D; e += kLanes) {
+    const vec h = E::vround(E::vload(weight + e) * E::vround(E::vload(x + e) * scale));
+    const vec g = E::vload(gate + e);
+    E::vstore(out + e, h * (g / (vset(1.0f) + vexp(-g))));
+  }
+  for (; e < D; ++e) {
+    const float h = E::round(E::load(weight[e]) * E::round(E::load(x[e]) * scale));
+    const float g = E::load(gate[e]);
+    out[e] = E::store(h * (g / (1.0f + exp_poly(-g))));
+  }
+}
+
+template <typename E>
+at::Tensor gated_norm_impl(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, float eps) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2);
+  at::Tensor out = at::empty({T, H, D}, x.options());
+  const auto *xp = E::data(x), *gp = E::data(gate), *wp = E::data(weight);
+  auto* op = E::data(out);
+  at::parallel_for(0, T * H, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t t = r / H, h = r % H;
+      gated_norm_row<E>(xp + t * x.stride(0) + h * x.stride(1), gp + t * gate.stride(0) + h * gate.stride(1), wp,
+                        op + r * D, D, eps);
+    }
+  });
+  return out;
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "x must be a CPU [tokens, heads, dim] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  TORCH_CHECK(gate.sizes() == x.sizes() && gate.stride(2) == 1 && gate.scalar_type() == x.scalar_type(),
+              "gate must match x (shape, dtype, a contiguous last dim)");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(2) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [dim] tensor of x's dtype");
+  const float e = static_cast<float>(eps);
+  return x.scalar_type() == at::kBFloat16 ? gated_norm_impl<BF16>(x, gate, weight, e)
+                                          : gated_norm_impl<F32>(x, gate, weight, e);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -639,5 +699,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Chunked gated delta rule over packed spans; state_pool slots read and updated in place");
   m.def("gated_delta_decode", &gated_delta_decode,
         "Recurrent gated delta rule, one token per slot; state_pool slots read and updated in place");
+  m.def("gated_rms_norm", &gated_rms_norm, "RMSNorm of each [.., dim] head row times SiLU(gate) (Qwen3.5's norm)");
   m.def("vector_lanes", []() { return kLanes; }, "fp32 lanes of this build's vectors (16 AVX-512, 8 AVX2)");
 }
