@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from testkit.checkpoints import RandomCheckpoint, cached_random_checkpoint, write_random_checkpoint
-from testkit.qwen_vl_checkpoints import _SHARED, Preset, _media_token_ids, _qwen3_vl_processor, _text_config
+from testkit.qwen_vl_checkpoints import _SHARED, Preset, _qwen3_vl_processor, qwen3_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
 _TEXT = {
@@ -67,29 +67,7 @@ QWEN3_5_PRESETS: dict[str, Preset] = {
 
 
 def qwen3_5_config(preset: Preset, token_ids: dict[str, int]) -> Any:
-    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
-
-    moe = "num_experts" in preset["text"]
-    text = _text_config(preset["text"], token_ids, 10000000.0)
-    text["rope_parameters"].update(mrope_interleaved=True, partial_rotary_factor=0.25)  # as the released configs
-    vision = {
-        **preset["vision"],
-        "hidden_act": "gelu_pytorch_tanh",
-        "out_hidden_size": text["hidden_size"],
-        "patch_size": 16,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "in_channels": 3,
-    }
-    config_class = Qwen3_5MoeConfig if moe else Qwen3_5Config
-    architecture = "Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"
-    return config_class(
-        text_config=text,
-        vision_config=vision,
-        tie_word_embeddings=text["tie_word_embeddings"],
-        architectures=[architecture],
-        **_media_token_ids(token_ids),
-    )
+    return qwen3_config(preset, token_ids, 10000000.0, "Qwen3_5", partial_rotary_factor=0.25)  # as released
 
 
 def _qwen3_5_model(config: Any, dtype: Any) -> Any:

@@ -165,12 +165,15 @@ def qwen2_5_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
     )
 
 
-def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
-    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+def qwen3_config(preset: Preset, token_ids: dict[str, int], rope_theta: float, family: str, **rope: Any) -> Any:
+    """A config of the Qwen3-VL kind: `family` names its classes (`Qwen3VL` -> Qwen3VLConfig, Qwen3VLMoeConfig
+    where the preset has experts, and their ...ForConditionalGeneration), the 16-px tower with 2x2 merging,
+    interleaved M-RoPE as the released configs say (Transformers always interleaves), `rope` added to it."""
+    import transformers
 
-    moe = "num_experts" in preset["text"]
-    text = _text_config(preset["text"], token_ids, 5000000.0)
-    text["rope_parameters"]["mrope_interleaved"] = True  # as the released configs say (Transformers always interleaves)
+    name = family + ("Moe" if "num_experts" in preset["text"] else "")
+    text = _text_config(preset["text"], token_ids, rope_theta)
+    text["rope_parameters"].update(mrope_interleaved=True, **rope)
     vision = {
         **preset["vision"],
         "hidden_act": "gelu_pytorch_tanh",
@@ -180,15 +183,17 @@ def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
         "temporal_patch_size": 2,
         "in_channels": 3,
     }
-    config_class = Qwen3VLMoeConfig if moe else Qwen3VLConfig
-    architecture = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
-    return config_class(
+    return getattr(transformers, f"{name}Config")(
         text_config=text,
         vision_config=vision,
         tie_word_embeddings=text["tie_word_embeddings"],
-        architectures=[architecture],
+        architectures=[f"{name}ForConditionalGeneration"],
         **_media_token_ids(token_ids),
     )
+
+
+def qwen3_vl_config(preset: Preset, token_ids: dict[str, int]) -> Any:
+    return qwen3_config(preset, token_ids, 5000000.0, "Qwen3VL")
 
 
 def _size(pixels: tuple[int, int]) -> dict[str, int]:
