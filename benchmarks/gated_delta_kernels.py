@@ -4,7 +4,7 @@ One linear-attention layer of a Qwen3.5-0.8B/2B-shaped model (16 key and 16 valu
 conv kernel 4 over 6144 channels): prefill of a 1k-token span and decode steps at batch 1 and 16,
 fp32 and bf16, on one thread. Ours: the C++ op and the torch fallback; the oracle: Qwen3.5's
 `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` and `causal_conv1d_fn` /
-`causal_conv1d_update`. Times are CPU seconds of this process (other processes sharing the machine
+`causal_conv1d_update`, and the gated RMSNorm against its torch form. Times are CPU seconds of this process (other processes sharing the machine
 do not count), the best of interleaved rounds, with glibc keeping freed memory as the engine sets it.
 
     .venv/bin/python benchmarks/gated_delta_kernels.py [--tokens 1024] [--rounds 5]
@@ -90,7 +90,10 @@ def prefill_fns(tokens: int, dtype: torch.dtype) -> dict[str, Callable[[], objec
             output_final_state=True, use_qk_l2norm_in_kernel=True,
         )  # fmt: skip
 
+    z, norm_weight = x["mixed"][:, : HV * DV].view(tokens, HV, DV), torch.ones(DV, dtype=dtype)
     return {
+        "norm ours": lambda: gd.gated_rms_norm(v, z, norm_weight, 1e-6),
+        "norm torch": lambda: gd.torch_gated_rms_norm(v, z, norm_weight, 1e-6),
         "conv ours": lambda: gd.causal_conv1d(x["mixed"], x["weight"], conv_pool.zero_(), slots, cu),
         "conv hf": lambda: hf.causal_conv1d_fn(x["mixed"].t()[None], x["weight"], None, activation="silu"),
         "delta ours": ours_delta,
