@@ -339,6 +339,7 @@ def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed
     opt("--sizes", "448x448,1024x768", "image sizes, WxH"),
     opt("--dtypes", "bfloat16,float32", "bfloat16 runs only where the CPU has bf16 dot products"),
     opt("--threads", 2),
+    opt("--cpu-time", False, "with --threads 1: time by the thread's CPU time, which other processes' load leaves alone"),
     opt("--split", False, "also time the prepacked tower's parts (per-module timers, fastest of 3 runs)"),
 )
 def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -353,7 +354,10 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     from vlm_engine.kernels.cpu_isa import has_native_bf16
 
+    if args.cpu_time and args.threads != 1:
+        raise SystemExit("--cpu-time times one thread: run it with --threads 1")
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     cfg = Qwen2_5_VLVisionConfig(**VISION_3B)
     cfg._attn_implementation = "sdpa"
     from vlm_engine.models.families.qwen2_5_vl.vision import Qwen25VisionTower
@@ -384,7 +388,8 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 return lambda: model(x, grid) if label != "Transformers" else model(x, grid).pooler_output
 
             with torch.inference_mode():
-                times = S.interleaved({label: call(label, m) for label, m in towers.items()}, VISION_REPEATS)
+                variants = {label: call(label, m) for label, m in towers.items()}
+                times = S.interleaved(variants, VISION_REPEATS, clock=clock)
             base = times["Transformers"]
             if args.split and "ours, prepacked linears" in towers:
                 split = vision_split(towers["ours, prepacked linears"], pixels.to(dt), grid)
@@ -397,7 +402,8 @@ def vision(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         del towers
         gc.collect()
     head = ["image", "dtype", "tower", "median ms", "min ms", "ratio (median)", "ratio (min)"]
-    print(f"\nQwen2.5-VL-3B vision tower, {args.threads} threads, median of {VISION_REPEATS}\n")
+    timing = "thread CPU time" if args.cpu_time else "wall time"
+    print(f"\nQwen2.5-VL-3B vision tower, {args.threads} threads, {timing}, median of {VISION_REPEATS}\n")
     print("\n".join(S.md_table(head, rows)))
     return {"rows": rows, "splits": splits}
 

@@ -188,9 +188,15 @@ def timed(
     return times, result
 
 
-def interleaved(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, list[float]]:
     """In-process A/B: each variant once per round, taking turns (order reversed every other round), so
-    the machine's drift hits all alike. Returns each variant's seconds per round (warm-ups not kept)."""
+    the machine's drift hits all alike. Returns each variant's seconds per round (warm-ups not kept) by
+    `clock` (wall time; e.g. time.thread_time for one thread's CPU time on a shared machine)."""
     names = list(variants)
     for _ in range(warmup):
         for name in names:
@@ -198,9 +204,9 @@ def interleaved(variants: dict[str, Callable[[], object]], rounds: int, warmup: 
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            t0 = time.perf_counter()
+            t0 = clock()
             variants[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(clock() - t0)
     return times
 
 
