@@ -253,7 +253,8 @@ struct Problem {
   const uint8_t* codes;
   const uint16_t* scales;
   const float* bias;
-  float* y;
+  float* y;              // the fp32 sums (the partial ones between blocks of inputs)
+  at::BFloat16* y16;     // bf16 rows: the last block writes its sums here, rounded, instead of to y
 };
 
 // MR rows from row0 x NV vectors from column col0 (a vector never crosses a panel), groups g0..g1-1.
@@ -362,6 +363,13 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
     const int64_t c = col0 + v * V::kCols;
     const float* bias = last && p.bias ? p.bias + c : nullptr;
     for (int r = 0; r < MR; ++r) {
+      if (last && p.y16) {  // nearest even, as torch's .to(bfloat16): no pass over an fp32 y afterwards
+        alignas(64) float t[16];
+        V::storef(t, V::add(acc[r][v], cols[v] == V::kCols && bias ? V::loadf(bias) : V::zerof()));
+        at::BFloat16* out = p.y16 + (row0 + r) * p.n + c;
+        for (int64_t j = 0; j < cols[v]; ++j) out[j] = at::BFloat16(cols[v] == V::kCols || !bias ? t[j] : t[j] + bias[j]);
+        continue;
+      }
       float* out = p.y + (row0 + r) * p.n + c;
       if (cols[v] == V::kCols) {
         V::storef(out, last ? V::add(acc[r][v], bias ? V::loadf(bias) : V::zerof()) : acc[r][v]);
@@ -634,13 +642,14 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   // The sums in fp32; bf16 rows get them rounded to bf16 once at the end (nearest even, as torch's
   // .to(bfloat16) of the decode kernel's fp32 output: the two stay equal bit for bit).
   at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
-  if (m == 0) return y.to(x.scalar_type());
+  at::Tensor y16 = bf16 ? at::empty({m, n}, x.options()) : at::Tensor();
+  if (m == 0) return bf16 ? y16 : y;
 #if VLM_INT8_AVX2
   const Rows rows = bf16 ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
                          : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
   const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, groups * 2 * kPanel,
                   static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
-                  bp, y.data_ptr<float>()};
+                  bp, y.data_ptr<float>(), bf16 ? y16.data_ptr<at::BFloat16>() : nullptr};
   switch (path) {
 #if VLM_INT8_ZMM
     case kZmmVnni:
@@ -656,7 +665,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
       run_bits<Ymm<false>>(p, m, bits);
   }
 #endif
-  return bf16 ? y.to(at::kBFloat16) : y;
+  return bf16 ? y16 : y;
 }
 
 bool wo_available() { return VLM_INT8_BF16; }
