@@ -306,8 +306,10 @@ at::Tensor causal_conv1d(const at::Tensor& x, const at::Tensor& weight, const st
 }
 
 // ---------------------------------------------------------------------------------------------
-// Small dense products on row-major fp32 blocks: C[m][n] (+)= sum_k A[m][k] B[k][n]. Four rows of
-// A at a time against a strip of 4 vectors of B keep 16 accumulators in registers.
+// Small dense products on row-major fp32 blocks: C[m][n] (+)= sum_k A[m][k] B[k][n]. kRows rows of A
+// at a time against a strip of 4 vectors of B: 4 kRows accumulators and the strip in registers
+// (AVX-512 has 32 vector registers: 6 rows, 28 of them; AVX2 16: 3 rows, 16).
+constexpr int kRows = kLanes >= 16 ? 6 : 3;
 
 void matmul_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t M,
                  int64_t K, int64_t N, bool accumulate) {
@@ -315,14 +317,14 @@ void matmul_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float
   int64_t n = 0;
   for (; n + kStrip <= N; n += kStrip) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
-      vec acc[4][4];
-      for (int r = 0; r < 4; ++r)
+    for (; m + kRows <= M; m += kRows) {
+      vec acc[kRows][4];
+      for (int r = 0; r < kRows; ++r)
         for (int v = 0; v < 4; ++v) acc[r][v] = accumulate ? vload(C + (m + r) * ldc + n + v * kLanes) : vset(0.0f);
       for (int64_t k = 0; k < K; ++k) {
         const float* b = B + k * ldb + n;
         const vec b0 = vload(b), b1 = vload(b + kLanes), b2 = vload(b + 2 * kLanes), b3 = vload(b + 3 * kLanes);
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < kRows; ++r) {
           const vec a = vset(A[(m + r) * lda + k]);
           acc[r][0] += a * b0;
           acc[r][1] += a * b1;
@@ -330,7 +332,7 @@ void matmul_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float
           acc[r][3] += a * b3;
         }
       }
-      for (int r = 0; r < 4; ++r)
+      for (int r = 0; r < kRows; ++r)
         for (int v = 0; v < 4; ++v) vstore(C + (m + r) * ldc + n + v * kLanes, acc[r][v]);
     }
     for (; m < M; ++m) {
