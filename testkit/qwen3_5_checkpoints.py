@@ -4,6 +4,7 @@ Transformers config classes (`Qwen3_5Config`, `Qwen3_5MoeConfig`), the tokenizer
 
     write_qwen3_5(path, preset="tiny" | "tiny-moe" | "bench-2b", seed=0) -> Path
     cached_qwen3_5(preset, seed=0) -> Path
+    cached_qwen3_next(preset="tiny", seed=0) -> Path   (Qwen3NextForCausalLM: text only, the tokenizer's template)
 
 The layer mixes are their own: "tiny" alternates linear and full attention ([linear, full, linear, full]),
 "tiny-moe" is Qwen3.5's 3:1 ([linear, linear, linear, full]). Rotary on a quarter of each 64-wide head
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from testkit.checkpoints import RandomCheckpoint, cached_random_checkpoint, write_random_checkpoint
+from testkit.checkpoints import QWEN2_VL_VOCAB_SIZE, RandomCheckpoint, cached_random_checkpoint, write_random_checkpoint
 from testkit.qwen_vl_checkpoints import _SHARED, Preset, _qwen3_vl_processor, qwen3_config
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -92,3 +93,49 @@ def write_qwen3_5(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path
 
 def cached_qwen3_5(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
     return cached_random_checkpoint(QWEN3_5, preset, seed, cache_root)
+
+
+QWEN3_NEXT_PRESETS: dict[str, Preset] = {
+    # Qwen3-Next's MLP choice exercised: layer 1 sparse (decoder_sparse_step 2), layer 3 dense (mlp_only_layers).
+    "tiny": {
+        "text": {
+            **{k: v for k, v in _TEXT.items() if k != "mrope_section"}, "layer_types": [LINEAR, FULL, LINEAR, FULL],
+            "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 64, "decoder_sparse_step": 2, "mlp_only_layers": [3],
+            "norm_topk_prob": True, "vocab_size": QWEN2_VL_VOCAB_SIZE,
+        },
+        "std": 0.2,
+        "dtype": "float32",
+    },
+}  # fmt: skip
+
+
+def qwen3_next_config(preset: Preset, token_ids: dict[str, int]) -> Any:
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **preset["text"],
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=token_ids["<|endoftext|>"],
+        eos_token_id=token_ids["<|im_end|>"],
+        pad_token_id=token_ids["<|endoftext|>"],
+        architectures=["Qwen3NextForCausalLM"],
+    )
+
+
+def _qwen3_next_model(config: Any, dtype: Any) -> Any:
+    from transformers import Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM._from_config(config, dtype=dtype)
+
+
+QWEN3_NEXT = RandomCheckpoint(
+    "qwen3-next", QWEN3_NEXT_PRESETS, config=lambda spec, ids, _: qwen3_next_config(spec, ids),
+    model=_qwen3_next_model, processor=lambda spec, tokenizer: tokenizer, **_SHARED,
+)  # fmt: skip
+
+
+def cached_qwen3_next(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_random_checkpoint(QWEN3_NEXT, preset, seed, cache_root)

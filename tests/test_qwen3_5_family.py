@@ -309,3 +309,73 @@ def test_ngram_speculation_equals_plain_greedy(row: Family) -> None:
         speculative="ngram", speculative_disable_batch_size=1000,
     )  # fmt: skip
     assert [o.token_ids for o in spec.chat(row.conversations[:4], row.greedy)] == list(references(row)[:4])
+
+
+# ---- Qwen3-Next (text only): the same stack with 1-D RoPE and grouped projections -------------------------
+
+QWEN3_NEXT_CONVERSATIONS = [
+    [{"role": "user", "content": "Tell me a story about a red fox."}],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Name three colors."},
+        {"role": "assistant", "content": "Red, green, blue."},
+        {"role": "user", "content": "Two more?"},
+    ],
+]
+
+
+def hf_text_greedy(path: Any, conversations: list[Any], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    out = []
+    for conv in conversations:
+        ids = tokenizer.apply_chat_template(conv, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        with torch.inference_mode():
+            tokens = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append(tokens[0, ids["input_ids"].shape[1] :].tolist())
+    return out
+
+
+def test_qwen3_next_greedy_matches_hf_alone_batched_and_in_chunks() -> None:
+    from testkit.qwen3_5_checkpoints import cached_qwen3_next
+
+    path, greedy = cached_qwen3_next("tiny"), family("qwen3.5").greedy
+    want = hf_text_greedy(path, QWEN3_NEXT_CONVERSATIONS, greedy.max_tokens)
+    engine = Engine(str(path), dtype="float32", numerics="exact", kv_cache_tokens=2048)
+    assert engine.model.position_axes == 1
+    assert [engine.chat([c], greedy)[0].token_ids for c in QWEN3_NEXT_CONVERSATIONS] == want
+    assert [o.token_ids for o in engine.chat(QWEN3_NEXT_CONVERSATIONS, greedy)] == want
+    chunked = Engine(str(path), dtype="float32", numerics="exact", kv_cache_tokens=2048, max_num_batched_tokens=24)
+    assert [o.token_ids for o in chunked.chat(QWEN3_NEXT_CONVERSATIONS, greedy)] == want
+
+
+def test_qwen3_next_80b_names_load() -> None:
+    """Qwen3-Next-80B-A3B-Instruct's config values (four of its 48 layers: the names repeat), its tensors named as
+    Transformers saves them (experts one by one, in_proj_qkvz / in_proj_ba): every one loads, none left over."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from vlm_engine.models.families.qwen3_5.model import Qwen3NextForCausalLM as Ours
+
+    config = Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, full_attention_interval=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        architectures=["Qwen3NextForCausalLM"],
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf, ours = Qwen3NextForCausalLM(config), Ours(config)
+    saved = revert_weight_conversion(hf, hf.state_dict())
+    assert (
+        "model.layers.0.linear_attn.in_proj_qkvz.weight" in saved
+        and "model.layers.0.mlp.experts.511.up_proj.weight" in saved
+    )
+    assert loader.load_weights(ours, [(n, torch.empty(t.shape, device="meta")) for n, t in saved.items()]) == []
+    assert sum(p.numel() for p in ours.parameters()) == sum(t.numel() for t in saved.values())
+    assert [entry is None for entry in ours.state_layout] == [False, False, False, True]

@@ -20,14 +20,22 @@ class SparseMoE(nn.Module):
     """Top-k softmax routing over SiLU-gated experts, renormalized over the chosen k. Sums in
     Transformers' order (experts ascending, index_add_ into zeros) so fp32 outputs match it exactly;
     each expert runs on the rows routed to it only. `experts`: the fused tensors (default), or a
-    module list of `GatedMLP`s (checkpoints that store each expert apart, Qwen3.5-MoE's)."""
+    module list of `GatedMLP`s (checkpoints that store each expert apart, Qwen3.5-MoE's). `normalize`
+    False keeps the chosen probabilities as they are (Qwen3-Next's `norm_topk_prob`)."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, experts: nn.Module | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        experts: nn.Module | None = None,
+        normalize: bool = True,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
+        self.normalize = normalize
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = experts if experts is not None else SparseExperts(hidden_size, intermediate_size, num_experts)
 
@@ -42,7 +50,9 @@ class SparseMoE(nn.Module):
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(logits.dtype)
         out = torch.zeros_like(x)
         # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
         routed = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)

@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "vlm_engine.models.families.qwen3_vl",
     "Qwen3_5ForConditionalGeneration": "vlm_engine.models.families.qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "vlm_engine.models.families.qwen3_5",
+    "Qwen3NextForCausalLM": "vlm_engine.models.families.qwen3_5",
     "SmolVLMForConditionalGeneration": "vlm_engine.models.families.smolvlm",
     "Idefics3ForConditionalGeneration": "vlm_engine.models.families.smolvlm",
     "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",

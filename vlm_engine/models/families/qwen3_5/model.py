@@ -21,7 +21,7 @@ from torch import nn
 
 from vlm_engine.cache.state_pool import LayerState
 from vlm_engine.models import gated_delta
-from vlm_engine.models.decoder import head_dim_of, rope_parameters
+from vlm_engine.models.decoder import CausalLM, head_dim_of, rope_parameters
 from vlm_engine.models.layers import ForwardContext, GatedMLP, MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from vlm_engine.models.moe import SparseMoE
 from vlm_engine.models.qwen3_vision import Qwen3VisionTower
@@ -108,9 +108,11 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer: x -> (q, k, v | z | b | a) in one product; SiLU(causal conv) over q, k, v
     carrying each sequence's conv window; the gated delta rule over the sequence's recurrent state
-    (chunked over prefill spans, recurrent for decode tokens); the gated RMSNorm with z; out_proj."""
+    (chunked over prefill spans, recurrent for decode tokens); the gated RMSNorm with z; out_proj.
+    `grouped`: the checkpoint stores the projections as Qwen3-Next does, `in_proj_qkvz` and `in_proj_ba`
+    with rows grouped by key head (`regroup` puts them in this layer's order as they load)."""
 
-    def __init__(self, layer_idx: int, config: Any) -> None:
+    def __init__(self, layer_idx: int, config: Any, grouped: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
@@ -119,16 +121,16 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel_size = config.linear_conv_kernel_dim
-        self.in_proj = MergedLinear(
-            config.hidden_size,
-            {
+        if grouped:
+            shards = {"in_proj_qkvz": self.conv_dim + self.value_dim, "in_proj_ba": 2 * self.num_v_heads}
+        else:
+            shards = {
                 "in_proj_qkv": self.conv_dim,
                 "in_proj_z": self.value_dim,
                 "in_proj_b": self.num_v_heads,
                 "in_proj_a": self.num_v_heads,
-            },
-            bias=False,
-        )
+            }
+        self.in_proj = MergedLinear(config.hidden_size, shards, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -178,6 +180,18 @@ class GatedDeltaNet(nn.Module):
                 out[rows] = core
         normed = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj.forward(normed.view(t, self.value_dim))
+
+    def regroup(self, shard: str, weight: torch.Tensor) -> torch.Tensor:
+        """Qwen3-Next's `in_proj_qkvz` rows [per key head: q, k, its value heads' v, z] -> [q | k | v | z], and
+        `in_proj_ba` rows [per key head: its value heads' b, a] -> [b | a] (Transformers'
+        `fix_query_key_value_ordering`)."""
+        ratio = self.num_v_heads // self.num_k_heads
+        if shard == "in_proj_qkvz":
+            sizes = [self.head_k_dim, self.head_k_dim, ratio * self.head_v_dim, ratio * self.head_v_dim]
+        else:
+            sizes = [ratio, ratio]
+        groups = weight.reshape(self.num_k_heads, sum(sizes), -1).split(sizes, dim=1)
+        return torch.cat([part.reshape(-1, weight.shape[-1]) for part in groups])
 
     def _heads(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = conv.shape[0]
@@ -232,11 +246,11 @@ class GatedAttention(nn.Module):
 class HybridLayer(nn.Module):
     """A pre-norm layer whose token mixer is `linear_attn` (Gated DeltaNet) or `self_attn` (gated attention)."""
 
-    def __init__(self, layer_idx: int, config: Any, mlp: nn.Module) -> None:
+    def __init__(self, layer_idx: int, config: Any, mlp: nn.Module, grouped: bool = False) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == LINEAR:
-            self.linear_attn = GatedDeltaNet(layer_idx, config)
+            self.linear_attn = GatedDeltaNet(layer_idx, config, grouped)
         elif self.layer_type == FULL:
             self.self_attn = GatedAttention(layer_idx, config)
         else:
@@ -259,12 +273,15 @@ class HybridLayer(nn.Module):
 
 class HybridDecoder(nn.Module):
     """Token embeddings, the hybrid layers (`config.layer_types`) and the final norm; one rotary table
-    (M-RoPE, interleaved, over the rotary part of the head) for the attention layers."""
+    over the rotary part of the head for the attention layers (M-RoPE, interleaved, with `mrope_section`;
+    1-D without: Qwen3-Next). `grouped`: Qwen3-Next's projections (see `GatedDeltaNet`)."""
 
-    def __init__(self, config: Any, mlp_factory: Any, mrope_section: list[int]) -> None:
+    def __init__(self, config: Any, mlp_factory: Any, mrope_section: list[int] | None, grouped: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(i, config, mlp_factory(i)) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            HybridLayer(i, config, mlp_factory(i), grouped) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
         params = rope_parameters(config)
         rotary_dim = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
@@ -275,6 +292,11 @@ class HybridDecoder(nn.Module):
                 rotary_dim, config.max_position_embeddings, inv_freq, 1.0, mrope_section, mrope_interleaved=True
             )
         self.has_linear = any(layer.layer_type == LINEAR for layer in self.layers)
+
+    @property
+    def state_layout(self) -> tuple[LayerState | None, ...]:
+        """Per layer: what it keeps per sequence in the state pool (None: paged KV)."""
+        return tuple(layer.linear_attn.state if layer.layer_type == LINEAR else None for layer in self.layers)
 
     def forward(self, hidden: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if ctx.media_features is not None:
@@ -311,8 +333,7 @@ class Qwen3_5ForConditionalGeneration(QwenVLForConditionalGeneration):
 
     @property
     def state_layout(self) -> tuple[LayerState | None, ...]:
-        """Per decoder layer: what it keeps per sequence in the state pool (None: paged KV)."""
-        return tuple(layer.linear_attn.state if layer.layer_type == LINEAR else None for layer in self.model.layers)
+        return self.model.state_layout  # type: ignore[no-any-return]
 
     def visual_features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         merged, _ = self.visual(pixels, grid_thw)  # no DeepStack features
@@ -327,7 +348,8 @@ class SharedExpertMoE(SparseMoE):
     def __init__(self, config: Any) -> None:
         hidden, size = config.hidden_size, config.moe_intermediate_size
         experts = nn.ModuleList(GatedMLP(hidden, size) for _ in range(config.num_experts))
-        super().__init__(hidden, size, config.num_experts, config.num_experts_per_tok, experts)
+        normalize = bool(getattr(config, "norm_topk_prob", True))  # Qwen3-Next's option; Qwen3.5 always does
+        super().__init__(hidden, size, config.num_experts, config.num_experts_per_tok, experts, normalize)
         self.shared_expert = GatedMLP(hidden, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
@@ -340,3 +362,44 @@ class SharedExpertMoE(SparseMoE):
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     def _mlp_factory(self, text_config: Any) -> Any:
         return lambda layer: SharedExpertMoE(text_config)
+
+
+def _qwen3_next_mlp(config: Any) -> Any:
+    """Qwen3-Next: layer i sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`."""
+    dense = set(config.mlp_only_layers or [])
+
+    def mlp(layer: int) -> nn.Module:
+        if layer not in dense and config.num_experts > 0 and (layer + 1) % config.decoder_sparse_step == 0:
+            return SharedExpertMoE(config)
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+
+    return mlp
+
+
+class Qwen3NextForCausalLM(CausalLM):
+    """Qwen3-Next (text only): the same hybrid stack with 1-D partial RoPE, Qwen3.5-MoE's MLP (sparse
+    layers chosen by `decoder_sparse_step` / `mlp_only_layers`, `norm_topk_prob`), and the linear layers'
+    projections stored grouped by key head (`GatedDeltaNet.regroup`)."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__(
+            config, config, bool(getattr(config, "attention_bias", False)), mlp_factory=_qwen3_next_mlp(config)
+        )
+
+    def build_decoder(
+        self, text_config: Any, qkv_bias: bool, mrope_section: list[int] | None, **decoder_options: Any
+    ) -> nn.Module:
+        return HybridDecoder(text_config, decoder_options["mlp_factory"], None, grouped=True)
+
+    @property
+    def state_layout(self) -> tuple[LayerState | None, ...]:
+        return self.model.state_layout  # type: ignore[no-any-return]
+
+    def adapt_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        path, _, _ = name.rpartition(".")
+        owner, _, shard = path.rpartition(".")
+        if shard in ("in_proj_qkvz", "in_proj_ba") and owner.endswith(".linear_attn"):
+            layer = self.get_submodule(owner)
+            assert isinstance(layer, GatedDeltaNet)
+            return layer.regroup(shard, tensor)
+        return tensor
