@@ -4,7 +4,9 @@ first use like the other C++ ops.
 `load_int8_gemm()` returns the extension module (`quant_gemm`, `impls`, `impl_name`) where the build
 has an AVX2 + FMA + F16C path, else None: `QuantizedLinear` then keeps fused_ops' `quant_panel_linear`
 at every row count. `quant_gemm` reads the same panels as that kernel and gives the same numbers bit
-for bit; it is the faster one from `GEMM_MIN_ROWS` rows up.
+for bit; it is the faster one from `GEMM_MIN_ROWS` rows up. Built with AVX-512 BF16 (`wo_available()`) the
+module also multiplies bf16 rows by int8 weights on vdpbf16ps (`wo_gemm`: the weights dequantized to
+bf16 a strip at a time, x not rounded to int8), which `QuantizedLinear` runs from `WO_MIN_ROWS` rows.
 """
 
 from __future__ import annotations

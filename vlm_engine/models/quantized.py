@@ -21,7 +21,9 @@ In bf16 (issue 49), with the GEMM's next-strip prefetch, by CPU time on the busy
 / 1.77, int4 3.03 / 2.03, bf16 2.81 / 1.32, int8 with fp32 activations 2.28 / 1.43; a quieter rerun
 at batch 8: int8 3.16, bf16 2.92, int8 with the tower quantized too 3.15 (docs/ARCHITECTURE.md,
 "Weight-only quantization"). A SmolLM2 decode step at batch 16 (1 thread, CPU ms): int8 17.2, int4
-16.3, bf16 16.7: at 16 rows the int8 products compute no faster than bf16's here.
+16.3, bf16 16.7: at 16 rows the int8 products compute no faster than bf16's here. From `WO_MIN_ROWS`
+bf16 rows an int8 layer computes in bf16 (int8_gemm's `wo_gemm`: prefill-sized products at the bf16
+dot kernel's speed, where the integer GEMM ran at ~0.75x it).
 
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
 as llama.cpp's Q4 files keep the output projection in Q8_0). The vision encoders stay in the
