@@ -151,7 +151,9 @@ QWEN3_VL_MOE_RELEASES = {
 # ---- Qwen3.5 -------------------------------------------------------------------------------------------
 # The smallest dense VL release (0.8B) and the first MoE one (35B-A3B): hybrid text stacks (every 4th layer
 # full attention), head_dim 256 with a quarter rotary, 248,320-row vocabulary, Qwen3-VL-shaped towers
-# without DeepStack; named as Transformers 5 names them (model.language_model.*, model.visual.*).
+# without DeepStack; named as Transformers 5 names them (model.language_model.*, model.visual.*). Qwen3.6-35B-A3B
+# has 35B-A3B's architecture and shape (its model card: 40 layers of 2048, 16 QK / 32 V linear heads of 128,
+# 16 / 2 attention heads of 256 with 64 rotary dims, 256 experts of 512, 8 routed + 1 shared).
 
 
 def _qwen3_5_text(**values: Any) -> dict[str, Any]:
