@@ -22,9 +22,15 @@ on the qkv output, in-place SiLU-and-mul, and the patch embedding is a matmul ra
 Transformers rounds the same way except that its RoPE and norms round once from fp32 where these
 round products to bf16 first: both stay within bf16's own error of the fp32 model (the test's bound).
 
-What remains is the linears (~85% of the time: prepacked by the engine, `models/prepack.py`) and
-full attention (torch SDPA's bf16 kernel ran at ~50 GFLOP/s on this CPU, 1.4 s per full block at
-3,996 patches; our kernel, 1 thread: 2.2 -> 0.67 s at 3,888 patches, issue 49). Before that kernel,
+What remains is the linears, at the bf16 matmul ceiling (prepacked by the engine, `models/prepack.py`).
+Where the time goes (`benchmarks/inproc.py vision --threads 1 --cpu-time --split`, 448x448 = 1,024 patches,
+one thread's CPU time, Zen 5 avx512_bf16, issue 49): 3,202 ms = linears 2,801 (88%: qkv 691, proj 240,
+gate / up / down 622 / 625 / 622; 1.29 TFLOP at ~460 GFLOP/s, what oneDNN does on these shapes alone) + RoPE and flash
+attention 259 (28 window blocks, 4 full) + SiLU-and-up 62 + merger 42 + norms and window reorder 31 +
+patch embedding 7. Transformers' bf16 tower runs the same linears on the same oneDNN kernels (aten::addmm),
+so the linears alone are ~0.7x of its time at 448x448, whatever the rest costs. Full attention at 3,996
+patches was the other big part: torch SDPA's bf16 kernel ran at ~50 GFLOP/s on this CPU, 1.4 s per full
+block; our kernel, 1 thread: 2.2 -> 0.67 s at 3,888 patches (issue 49). Before that kernel,
 benchmarks/inproc.py vision, Qwen2.5-VL-3B's tower cut to 8 blocks, bf16, 2-core Zen 4
 shared with other jobs, min of 5 runs, ms (Transformers / ours / ours with prepacked linears):
 448x448 6116 / 2776 / 2364, 1024x768 10352 / 9386 / 8808.
