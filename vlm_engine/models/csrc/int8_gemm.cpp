@@ -621,14 +621,11 @@ int64_t resolve(int64_t impl) {
   return -1;
 }
 
-at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits,
-                      const std::optional<at::Tensor>& bias, int64_t impl) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf16) && x.dim() == 2 && x.stride(1) == 1,
-              "x must be a CPU fp32 or bf16 [M, K] tensor with a contiguous last dim");
+// The panels' checks for x with k features and n outputs (both products); the bias's data, or nullptr.
+const float* checked_bias(const at::Tensor& codes, const at::Tensor& scales, int64_t k, int64_t n, int64_t bits,
+                          const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
-  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), groups = k / kGroup;
+  const int64_t panels = codes.size(0), groups = k / kGroup;
   TORCH_CHECK(codes.size(1) * (bits == 8 ? 4 : 8) == k, "x has ", k, " features, the weight ", codes.size(1) * (bits == 8 ? 4 : 8));
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * groups * 2 * kPanel, "scales do not match the codes");
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
@@ -637,6 +634,17 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
     TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
     bp = bias->data_ptr<float>();
   }
+  return bp;
+}
+
+at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits,
+                      const std::optional<at::Tensor>& bias, int64_t impl) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf16) && x.dim() == 2 && x.stride(1) == 1,
+              "x must be a CPU fp32 or bf16 [M, K] tensor with a contiguous last dim");
+  const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
+  const float* bp = checked_bias(codes, scales, k, n, bits, bias);
   const int64_t path = resolve(impl);
   TORCH_CHECK(path > 0, "this build of the int8 GEMM has no AVX2 + FMA + F16C path");
   // The sums in fp32; bf16 rows get them rounded to bf16 once at the end (nearest even, as torch's
@@ -675,16 +683,8 @@ at::Tensor wo_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU bf16 [M, K] tensor with a contiguous last dim");
-  TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
-  const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), groups = k / kGroup;
-  TORCH_CHECK(codes.size(1) * 4 == k, "x has ", k, " features, the int8 weight ", codes.size(1) * 4);
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * groups * 2 * kPanel, "scales do not match the codes");
-  TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == n, "bias must be fp32 [n]");
-    bp = bias->data_ptr<float>();
-  }
+  const int64_t m = x.size(0), k = x.size(1);
+  const float* bp = checked_bias(codes, scales, k, n, 8, bias);
   TORCH_CHECK(wo_available(), "this build of the int8 GEMM has no AVX-512 BF16 path");
   at::Tensor y = at::empty({m, n}, x.options());
 #if VLM_INT8_BF16
