@@ -323,3 +323,20 @@ def test_in_process_media_urls_follow_the_private_url_flag(tiny_vlm_dir: Path, t
         httpd.server_close()
     assert statuses[False][0] == 400 and "loopback" in statuses[False][1]
     assert statuses[True][0] == 200
+
+
+def test_a_linear_attention_model_fills_a_folder(mixed_folder: Path, tmp_path: Path) -> None:
+    """Qwen3.5 (state slots beside paged KV) through the in-process batch runner: every image,
+    video and PDF page of the mixed folder becomes a valid row; only the corrupt file errs."""
+    from testkit.qwen3_5_checkpoints import cached_qwen3_5
+
+    out = tmp_path / "rows.jsonl"
+    options = BatchOptions(
+        inputs=[str(mixed_folder)], out=str(out), model=str(cached_qwen3_5("tiny")), dtype="float32",
+        schema=ROW_SCHEMA, concurrency=8, max_tokens=256, progress=False,
+    )  # fmt: skip
+    summary = run_batch(options)
+    got = rows(out)
+    errors = [r for r in got if r["error"]]
+    assert [Path(r["source"]).name for r in errors] == ["broken.png"]
+    assert summary.rows == len(got) and all(valid(ROW_SCHEMA, r["output"]) for r in got if not r["error"])
