@@ -151,7 +151,11 @@ inline int32_t load4(const int8_t* q) {
 struct Zmm {
   using I = __m512i;
   using F = __m512;
-  static constexpr int kCols = 16, kMR = 4, kNV = 2;
+  // int8: 6 rows, 12 integer sums + 12 fp32 sums + 2 weight vectors + x in 32 zmm. 4 rows (8 chains)
+  // left vpdpbusd waiting on its latency: 1 thread, Zen 5, warm, GFLOP/s at 16 / 256 rows (ranges over
+  // 4 runs), 3072x576 485 -> 502-522 / 331 -> 339-392, 576x1536 394 -> 404-414 / 395 -> 410-465. int4
+  // (two nibble vectors per weight vector) keeps 4: at 6, 3072x576 at 256 rows measured 548 -> 479.
+  static constexpr int kCols = 16, kMR8 = 6, kMR4 = 4, kNV = 2;
   static constexpr bool kBiased = true;  // int8 codes enter the dot product as q + 128
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
@@ -183,7 +187,7 @@ template <bool Vnni>
 struct Ymm {
   using I = __m256i;
   using F = __m256;
-  static constexpr int kCols = 8, kMR = 4, kNV = 2;
+  static constexpr int kCols = 8, kMR8 = 4, kMR4 = 4, kNV = 2;
   static constexpr bool kBiased = Vnni;
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
@@ -404,10 +408,11 @@ void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64
 // other's share, lost less to it in the server. Every output is still one thread's same chain.
 template <class V, int Bits>
 void run(const Problem& p, int64_t m) {
+  constexpr int MR = Bits == 8 ? V::kMR8 : V::kMR4;  // rows a tile
   constexpr int64_t strip_cols = V::kNV * V::kCols;
   constexpr int64_t group_bytes = kGroup * Bits / 8 * kPanel;  // one group of one panel's codes
   const int64_t strips = (p.n + strip_cols - 1) / strip_cols, strip_bytes = strip_cols / kPanel * p.panel_bytes;
-  const int64_t rows = std::clamp<int64_t>(kRowChunkBytes / p.k / V::kMR * V::kMR, V::kMR, kRowChunk);
+  const int64_t rows = std::clamp<int64_t>(kRowChunkBytes / p.k / MR * MR, MR, kRowChunk);
   const int64_t block_groups = std::max<int64_t>(1, kWeightBlockBytes / (strip_cols / kPanel * group_bytes));
   const int64_t panels = (p.n + kPanel - 1) / kPanel, strip_panels = std::max<int64_t>(1, strip_cols / kPanel);
   const int64_t threads = at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), strips);
@@ -428,16 +433,16 @@ void run(const Problem& p, int64_t m) {
           next.scales = reinterpret_cast<const char*>(p.scales + p0 * p.panel_scales);
           next.scale_lines = np * p.panel_scales * 2 / 64;
           next.lines = next.code_lines + next.scale_lines;
-          next.iters = (r1 - r0 + V::kMR - 1) / V::kMR * p.groups;
+          next.iters = (r1 - r0 + MR - 1) / MR * p.groups;
         }
         for (int64_t g0 = 0; g0 < p.groups; g0 += block_groups) {
           const int64_t g1 = std::min(p.groups, g0 + block_groups);
           // What the next block reads: this strip's next inputs, or the next strip's first ones.
           const int64_t ahead =
               g1 < p.groups ? (g1 - g0) * group_bytes : (after < strips ? (after - s) * strip_bytes - g0 * group_bytes : 0);
-          for (int64_t r = r0; r < r1; r += V::kMR) {
-            const int mr = static_cast<int>(std::min<int64_t>(V::kMR, r1 - r));
-            tile_of<V, Bits, V::kMR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next);
+          for (int64_t r = r0; r < r1; r += MR) {
+            const int mr = static_cast<int>(std::min<int64_t>(MR, r1 - r));
+            tile_of<V, Bits, MR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next);
           }
         }
         s = after;
