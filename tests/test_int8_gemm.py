@@ -1,6 +1,7 @@
 """The int8 / int4 GEMM for prefill-sized products (csrc/int8_gemm.cpp): equal bit for bit to fused_ops'
 quant_panel_linear on the same panels, and to a float64 oracle of the quantized math within fp32
-rounding, on every path this build has (`impl`), and on the AVX2 build that VLM_ENGINE_ISA=avx2 makes."""
+rounding, on every path this build has (`impl`), and on the AVX2 build that VLM_ENGINE_ISA=avx2 makes (which has
+no bf16-compute path); its bf16-compute path for int8 weights (`wo_gemm`) against float64 on the exact weights."""
 
 from __future__ import annotations
 
