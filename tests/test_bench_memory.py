@@ -62,8 +62,8 @@ def test_memory_table_has_start_up_peak_and_steady_columns() -> None:
     info = {"server": "ours", "rep": 1, "model_dir": "/m/smolvlm", "kv": 16384, "kv_log": "16,384 tokens",
             "startup_s": 54.0} | {key: (k + 1) * 2**30 for k, key in enumerate(SBS.MEMORY_COLUMNS)}  # fmt: skip
     head, _, row = SBS.memory_table([info, {"server": "vllm bf16", "rep": 1, "error": "x"}], "avx512_bf16")
-    assert "start-up peak" in head and "steady RSS" in head and "peak RSS (tree)" in head
+    assert "start-up peak" in head and "steady RSS" in head and "peak RSS (tree)" in head and "Σ PSS steady" in head
     assert row.split(" | ")[1:] == ["avx512_bf16", "smolvlm", "16384; log: 16,384 tokens", "54", "1.00", "2.00",
-                                    "3.00", "4.00", "5.00", "6.00 |"]  # fmt: skip
+                                    "3.00", "4.00", "5.00", "6.00", "7.00", "8.00 |"]  # fmt: skip
     assert "memory" in SBS.SUITES and SBS.SUITES["memory"].kv_tokens == 16_384
     assert {p.model for p in SBS.SUITES["llamacpp-qwen2.5-vl-7b"].plans} == {"qwen2.5-vl-7b"}
