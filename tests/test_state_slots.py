@@ -136,7 +136,7 @@ def test_abort_frees_the_slot(toy: Path) -> None:
     assert engine.states is not None and engine.states.num_live_used == 1
     engine.abort(request_id)
     _check_idle(engine)
-    assert engine.kv_bytes_in_use() == engine.states.num_snapshots * engine.state_slot_bytes
+    assert engine.kv_bytes_in_use() == engine.states.num_snapshots * engine.states.slot_bytes
 
 
 def test_state_pool_snapshots_are_lru_and_go_with_their_pages() -> None:

@@ -20,7 +20,7 @@ from vlm_engine import ipc
 from vlm_engine.attention.backends import create_backend
 from vlm_engine.cache.kv_budget import size_kv_pools
 from vlm_engine.cache.page_pool import PagePool
-from vlm_engine.cache.state_pool import StatePool, StateSlots, slot_bytes, state_layout
+from vlm_engine.cache.state_pool import plan_state_pool
 from vlm_engine.config import DEFAULT_MODEL, EngineConfig
 from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.kernels.cpu_isa import tier_description
@@ -113,7 +113,10 @@ class Engine:
         cache, options = self.config.cache, self.config.scheduler
         windows = attention_windows(self.model)
         token_bytes = kv_token_bytes([self.model] if draft_model is None else [self.model, draft_model], self.dtype)
-        self.states, state_bytes = self._plan_states()
+        speculative = bool(self.config.speculative.speculative)
+        snapshots = cache.state_snapshots if cache.enable_prefix_cache else 0
+        self.states = plan_state_pool(self.model, self.dtype, options.max_num_seqs, speculative, snapshots)
+        state_bytes = 0 if self.states is None else self.states.total_bytes
         self.kv_pools = size_kv_pools(*token_bytes, max(windows), cache, options, self.device, state_bytes)
         num_pages, num_window_pages = self.kv_pools.num_pages, self.kv_pools.num_window_pages
         model_len = self.config.model.max_model_len or int(text_config_of(self.hf_config).max_position_embeddings)
@@ -131,26 +134,11 @@ class Engine:
         config = SchedulerConfig(options, self.max_model_len, max(0, num_pages // 100), atomic_spans)
         return Scheduler(config, self.pool, window_pages, self.states)
 
-    def _plan_states(self) -> tuple[StatePool | None, int]:
-        """The linear-attention layers' state slots (None without such layers) and their bytes: a
-        live slot per seat, a checkpoint per live slot with speculative decoding, the snapshots."""
-        layout = state_layout(self.model)
-        if layout is None:
-            self.state_slot_bytes = 0
-            return None, 0
-        cache, options = self.config.cache, self.config.scheduler
-        num_live = options.max_num_seqs
-        checkpoints = num_live if self.config.speculative.speculative else 0
-        snapshots = cache.state_snapshots if cache.enable_prefix_cache else 0
-        slots = StateSlots(num_live, checkpoints, snapshots)
-        self.state_slot_bytes = slot_bytes(layout, self.dtype)
-        return StatePool(slots), slots.total * self.state_slot_bytes
-
     def kv_bytes_in_use(self) -> int:
         """KV bytes of the pages that requests hold now, in both pools, and of the state slots in use
         (live, checkpoints, snapshots) of a model with linear-attention layers."""
         window_used = 0 if self.window_pool is None else self.window_pool.num_used
-        states = 0 if self.states is None else self.states.num_used * self.state_slot_bytes
+        states = 0 if self.states is None else self.states.bytes_in_use
         return self.kv_pools.bytes_in_use(self.pool.num_used, window_used) + states
 
     @property

@@ -72,13 +72,26 @@ class StateSlots:
         return self.num_live + self.num_checkpoints + self.num_snapshots
 
 
+def plan_state_pool(
+    model: object, dtype: torch.dtype, max_num_seqs: int, speculative: bool, snapshots: int
+) -> StatePool | None:
+    """The pool for the model's stateful layers (None without any): a live slot per seat, a
+    checkpoint per live slot with speculative decoding, `snapshots` prefix-cache snapshots."""
+    layout = state_layout(model)
+    if layout is None:
+        return None
+    slots = StateSlots(max_num_seqs, max_num_seqs if speculative else 0, snapshots)
+    return StatePool(slots, slot_bytes(layout, dtype))
+
+
 class StatePool:
-    def __init__(self, slots: StateSlots) -> None:
+    def __init__(self, slots: StateSlots, slot_bytes: int = 0) -> None:
         if slots.num_live < 1:
             raise ValueError("the state pool needs a live slot per seat")
         if slots.num_checkpoints not in (0, slots.num_live):
             raise ValueError("checkpoint slots come one per live slot")
         self.slots = slots
+        self.slot_bytes = slot_bytes  # of one slot, every stateful layer's tensors
         self._free_live = list(range(slots.num_live - 1, -1, -1))  # a stack: slot 0 first
         first_snapshot = slots.num_live + slots.num_checkpoints
         self._free_snapshots = list(range(slots.total - 1, first_snapshot - 1, -1))
@@ -99,6 +112,14 @@ class StatePool:
         """Slots holding something: live slots of requests (and their checkpoints) and snapshots."""
         live = self.num_live_used
         return live + (live if self.slots.num_checkpoints else 0) + len(self._snapshots)
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.num_used * self.slot_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slots.total * self.slot_bytes
 
     def allocate(self) -> int | None:
         return self._free_live.pop() if self._free_live else None
