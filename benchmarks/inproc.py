@@ -312,7 +312,7 @@ VISION_3B = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_h
 
 def vision_tower(cfg: Any, state: dict[str, Any], dtype: Any, ours: bool, packed: bool = False) -> Any:
     """Transformers' tower, or ours as the engine builds it (on meta, then assigned; `packed`: its linears
-    prepacked as registry.build_model packs an encoder tower). None when prepacking is not supported."""
+    prepacked as build.build_model packs an encoder tower). None when prepacking is not supported."""
     import torch
 
     if not ours:

@@ -170,7 +170,8 @@ def test_each_linear_is_handed_over_once_filled_and_then_freed() -> None:
 def test_load_time_packing_equals_packing_after_the_load(tiny_vlm_dir: Path) -> None:
     """The engine's path (LoadTimePacker while loading) packs the same linears the same way as
     prepack_linears over a loaded model: same layers, bytes and outputs."""
-    from vlm_engine.models.registry import build_model, load_config, resolve_model
+    from vlm_engine.models.build import build_model
+    from vlm_engine.models.registry import load_config, resolve_model
 
     source = resolve_model(str(tiny_vlm_dir))
     config = load_config(source)

@@ -419,7 +419,7 @@ class LoadTimePacker:
     weights as filled (fp32 where build_model kept them so); one it leaves that is not in `dtype`
     is cast; with `pack` the rest become PackedLinears, those under `encoder_paths` (media encoders,
     which only multiply prefill-sized row counts) in oneDNN's layout alone, as
-    `registry.build_model` packs them. `quantize_linears` and `prepack_linears` afterwards take what is
+    `build.build_model` packs them. `quantize_linears` and `prepack_linears` afterwards take what is
     left (a linear tied to the embedding), check the kernels and log."""
 
     def __init__(

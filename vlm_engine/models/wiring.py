@@ -15,11 +15,11 @@ import torch
 
 from vlm_engine.config import EngineConfig
 from vlm_engine.host_memory import keep_freed_memory
+from vlm_engine.models.build import build_model
 from vlm_engine.models.family import VLModel, text_config_of
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
 from vlm_engine.models.registry import (
     ModelSource,
-    build_model,
     cpu_bf16_weights,
     default_device,
     load_config,
