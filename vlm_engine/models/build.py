@@ -44,11 +44,7 @@ def build_model(
     # (a Q4_1 GGUF's own), not from those rounded to a bf16 model's dtype.
     plan = Quantization.of(model, quantization, quantize_vision) if quantizing and quantization else None
     _materialize(model, dtype, plan.weights(model) if plan is not None else frozenset())
-    weights = (
-        loader.iter_gguf(source.gguf_path, config)
-        if source.gguf_path is not None
-        else loader.iter_safetensors(source.directory)
-    )
+    weights = source.weights(config)
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
     quantize = functools.partial(quantize_child, plan=plan, ops=quant_ops) if plan is not None else None

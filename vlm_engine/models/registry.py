@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,10 @@ class ModelSource:
     @property
     def gguf_path(self) -> Path | None:
         return self.directory / self.gguf_file if self.gguf_file else None
+
+    def weights(self, config: Any) -> Iterator[tuple[str, torch.Tensor | loader.StoredTensor]]:
+        """(checkpoint name, tensor) of every stored weight, streamed: what `build.build_model` loads."""
+        return loader.iter_gguf(self.gguf_path, config) if self.gguf_path else loader.iter_safetensors(self.directory)
 
 
 def resolve_model(spec: str) -> ModelSource:
