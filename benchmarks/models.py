@@ -19,6 +19,8 @@ class Model:
     mmproj_type: str = "f32"  # llama.cpp: the vision GGUF's --outtype
     quantize_from: str = "f32"  # llama.cpp: the converted file llama-quantize starts from
     llama_ctx: Callable[[Path, int], int] | None = None  # llama-server -c from (checkpoint, slots); None: 65,536
+    convert_args: tuple[str, ...] = ()  # llama.cpp: extra converter flags for the text GGUF
+    vllm_args: tuple[str, ...] = ()  # vLLM: extra server flags
 
 
 def _trained_context(path: Path, slots: int) -> int:
@@ -54,6 +56,13 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
           mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context),
     Model("smolvlm2-500m", _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
           "SmolVLM2-500M-Video-Instruct's config, random bf16 weights", vision=True, llama_ctx=_trained_or_2k_a_slot),
+    # A random checkpoint has no multi-token-prediction head, which the Qwen3.5 converter expects unless told.
+    Model("qwen3.5-2b", _testkit("qwen3_5_checkpoints", "cached_qwen3_5", "bench-2b"),
+          "Qwen3.5-shaped, 1.71B: 18 Gated DeltaNet + 6 gated-attention layers, hidden 2048, random bf16 weights",
+          vision=True, mmproj_type="bf16", quantize_from="bf16", convert_args=("--no-mtp",),
+          # vLLM profiles its encoder with the largest image the processor allows (16.7 MP here, about 20 minutes
+          # of tower on 2 cores): it is told the workloads' 640x480 instead.
+          vllm_args=("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}, "video": 0}')),
     Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
 )}  # fmt: skip
 

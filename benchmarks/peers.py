@@ -389,10 +389,10 @@ class LlamaCpp:
             raise FileNotFoundError(f"no convert_hf_to_gguf.py beside {self.server}; pass one built in its tree")
         return tree
 
-    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
+    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
         """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
         out = GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
-        cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype]
+        cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype, *extra]
         return _made_once(out, lambda tmp: [*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])])
 
     def quantize(self, src: Path, qtype: str) -> Path:
@@ -488,16 +488,18 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
         if kind == "Q4_1" and model.shipped_q4_1:
             gguf = shipped_q4_1()
         elif kind in LLAMA_TYPES:
-            gguf = llama.convert(hf_dir, LLAMA_TYPES[kind])
+            gguf = llama.convert(hf_dir, LLAMA_TYPES[kind], extra=model.convert_args)
         else:  # a llama-quantize type, from the model's lossless conversion
-            gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from), kind)
+            gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from, extra=model.convert_args), kind)
         mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
         args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True))) if model.vision else ()
         ctx = kv_tokens or (model.llama_ctx(hf_dir, slots) if model.llama_ctx else 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
     if peer in ("transformers", "vllm"):
-        return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), label=name, kv_tokens=kv_tokens)
+        extra = getattr(model, "vllm_args", ()) if peer == "vllm" else ()
+        return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), extra, label=name,
+                          kv_tokens=kv_tokens)  # fmt: skip
     raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(list(ADAPTERS)[2:])}")
 
 

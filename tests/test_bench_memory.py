@@ -16,7 +16,7 @@ import side_by_side as SBS
 
 
 class _FakeLlama(peers.LlamaCpp):
-    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
+    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
         return Path(f"/gguf/{'mmproj-' if mmproj else ''}{outtype}.gguf")
 
 

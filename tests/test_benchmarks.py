@@ -587,8 +587,8 @@ def test_side_names_become_servers(tmp_path: Path) -> None:
 class _FakeLlama(peers.LlamaCpp):
     """Conversions named, not run: what side_spec asks llama.cpp's tools for."""
 
-    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
-        return Path(f"/gguf/{'mmproj-' if mmproj else ''}{outtype}.gguf")
+    def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
+        return Path(f"/gguf/{'mmproj-' if mmproj else ''}{outtype}{''.join(extra)}.gguf")
 
     def quantize(self, src: Path, qtype: str) -> Path:
         return Path(f"/gguf/{src.stem}->{qtype}.gguf")
@@ -607,6 +607,20 @@ def test_llamacpp_sides_convert_quantize_and_add_the_projector(tmp_path: Path) -
     assert spec.kv_tokens == 2048 * 8  # at least 2,048 a slot
     text = peers.side_spec("llama.cpp F32", models.MODELS["smollm2"], tmp_path, slots=64, kv_tokens=None, llama=llama)
     assert text.model_dir == "/gguf/f32.gguf" and "--mmproj" not in text.extra_args and text.kv_tokens == 65_536
+
+
+def test_a_model_rows_converter_and_vllm_flags_reach_its_sides(tmp_path: Path) -> None:
+    """Qwen3.5's text GGUF is converted without the MTP head a random checkpoint lacks (its projector is not
+    told), and vLLM is told the workloads' image size to profile its encoder with."""
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 4096}}))
+    q35 = models.MODELS["qwen3.5-2b"]
+    spec = peers.side_spec("llama.cpp BF16 + mmproj", q35, tmp_path, slots=8, kv_tokens=32_768,
+                           llama=_FakeLlama(Path("/bin/llama-server")))  # fmt: skip
+    assert spec.model_dir == "/gguf/bf16--no-mtp.gguf" and spec.extra_args == ("--mmproj", "/gguf/mmproj-bf16.gguf")
+    vllm = peers.side_spec("vllm bf16", q35, tmp_path, slots=8, kv_tokens=32_768)
+    limit = json.loads(vllm.extra_args[vllm.extra_args.index("--limit-mm-per-prompt") + 1])
+    assert limit["image"] == {"count": 1, "width": 640, "height": 480}
+    assert "--limit-mm-per-prompt" not in peers.side_spec("transformers", q35, tmp_path, slots=8, kv_tokens=None).extra_args
 
 
 # ---- the client against a fake streaming server -----------------------------------------------------------
