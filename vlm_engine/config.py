@@ -189,6 +189,14 @@ class ModelConfig(Section):
     model: str = field(
         default=DEFAULT_MODEL, metadata=doc(f"local directory, .gguf file, hub id, or the embedded {DEFAULT_MODEL!r}")
     )
+    mmproj: str | None = field(
+        default=None,
+        metadata=doc(
+            "with a text .gguf model: llama.cpp's vision GGUF of the same model (a directory holding both finds "
+            "it by itself)",
+            metavar="FILE",
+        ),
+    )
     served_model_name: str | None = field(
         default=None, metadata=doc("the model id clients use (default: the model argument)", metavar="NAME")
     )

@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from preprocess.prompt import PromptProcessor
 from preprocess.video import select_video_device
 from vlm_engine.config import DEFAULT_MODEL, MediaConfig
 from vlm_engine.kernels.cpu_isa import has_native_bf16, tier_description
-from vlm_engine.models import loader
+from vlm_engine.models import gguf_vlm, loader
 from vlm_engine.models.family import ModelFamily, text_config_of
 
 logger = logging.getLogger(__name__)
@@ -66,18 +66,49 @@ class ModelSource:
     directory: Path
     gguf_file: str | None = None
     architecture: str | None = None  # served as this architecture, whatever the file's config says
+    mmproj: Path | None = None  # llama.cpp's vision tower + projector GGUF, beside a VLM's text GGUF
 
     @property
     def gguf_path(self) -> Path | None:
         return self.directory / self.gguf_file if self.gguf_file else None
 
+    @property
+    def is_gguf_vlm(self) -> bool:
+        """A text GGUF of a VLM (with or without its mmproj): config, weights and prompt side come from
+        models/gguf_vlm.py; llama GGUFs stay with loader.py and Transformers' GGUF tokenizer."""
+        return self.gguf_path is not None and gguf_vlm.serves(self.gguf_path)
+
     def weights(self, config: Any) -> Iterator[tuple[str, torch.Tensor | loader.StoredTensor]]:
         """(checkpoint name, tensor) of every stored weight, streamed: what `build.build_model` loads."""
-        return loader.iter_gguf(self.gguf_path, config) if self.gguf_path else loader.iter_safetensors(self.directory)
+        if self.gguf_path is None:
+            return loader.iter_safetensors(self.directory)
+        if self.is_gguf_vlm:
+            return gguf_vlm.iter_weights(self.gguf_path, self.mmproj, config)
+        return loader.iter_gguf(self.gguf_path, config)
+
+    def prompt_files(self, config: Any) -> tuple[Path, str | None]:
+        """(directory, GGUF file or None) the family's prompt side reads: a GGUF VLM's tokenizer and
+        processors rebuilt from its files as a Hugging Face processor directory."""
+        if self.is_gguf_vlm:
+            return gguf_vlm.processor_directory(self.gguf_path, self.mmproj, config), None  # type: ignore[arg-type]
+        return self.directory, self.gguf_file
 
 
-def resolve_model(spec: str) -> ModelSource:
-    """A local directory, a .gguf file, the embedded default, or a Hugging Face hub id."""
+def resolve_model(spec: str, mmproj: str | None = None) -> ModelSource:
+    """A local directory, a .gguf file, the embedded default, or a Hugging Face hub id; `mmproj`: the
+    vision GGUF of a text GGUF (a directory holding a text GGUF and one mmproj finds it by itself)."""
+    source = _resolve(spec)
+    if mmproj is not None:
+        path = Path(mmproj).expanduser()
+        if source.gguf_path is None:
+            raise ValueError(f"--mmproj {mmproj} goes with a GGUF text model; {spec} is not one")
+        if not path.is_file() or not gguf_vlm.is_mmproj(path):
+            raise ValueError(f"--mmproj {mmproj} is not an mmproj GGUF (general.architecture 'clip')")
+        return replace(source, mmproj=path)
+    return source
+
+
+def _resolve(spec: str) -> ModelSource:
     embedded = _EMBEDDED.get(spec.lower())
     if embedded:
         package, filename, architecture = embedded
@@ -89,12 +120,17 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(spec, Path(list(found.submodule_search_locations)[0]), filename, architecture)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if gguf_vlm.is_mmproj(path):
+            raise ValueError(f"{spec} is an mmproj (a vision tower): give its text GGUF as the model, this as --mmproj")
         return ModelSource(spec, path.parent, path.name)
     if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").exists() and len(ggufs) == 1:
-            return ModelSource(spec, path, ggufs[0].name)
-        return ModelSource(spec, path)
+        if (path / "config.json").exists() or not any(path.glob("*.gguf")):
+            return ModelSource(spec, path)
+        mmproj, texts = gguf_vlm.find_mmproj(path)
+        if len(texts) != 1:
+            found = ", ".join(p.name for p in texts) or "none"
+            raise ValueError(f"{spec}: a GGUF directory needs exactly one text GGUF (found {found}): pass the file")
+        return ModelSource(spec, path, texts[0].name, mmproj=mmproj)
     from huggingface_hub import snapshot_download
 
     try:
@@ -105,7 +141,11 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def load_config(source: ModelSource) -> Any:
-    if source.gguf_path is not None:
+    if source.is_gguf_vlm:
+        config = gguf_vlm.vlm_config(source.gguf_path, source.mmproj)  # type: ignore[arg-type]
+    elif source.mmproj is not None:
+        raise ValueError(f"{source.gguf_file} is not the text model of a VLM {gguf_vlm.TEXT_ARCHITECTURES}: no mmproj")
+    elif source.gguf_path is not None:
         config = loader.gguf_llama_config(source.gguf_path)
     else:
         from transformers import AutoConfig
@@ -154,7 +194,8 @@ def prompt_processor(source: ModelSource, hf_config: Any, media: MediaConfig | N
     media = media or MediaConfig(video_device="cpu")
     video_device, reason = select_video_device(media.video_device)
     logger.info("%s", reason)
-    prompts = family_of(hf_config).prompts(source.directory, hf_config, source.gguf_file, video_device)
+    directory, gguf_file = source.prompt_files(hf_config)
+    prompts = family_of(hf_config).prompts(directory, hf_config, gguf_file, video_device)
     return PromptProcessor(prompts, int(text_config_of(hf_config).vocab_size), media)
 
 

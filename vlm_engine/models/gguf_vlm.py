@@ -1,0 +1,406 @@
+"""GGUF VLMs: llama.cpp's text GGUF plus its mmproj GGUF (the vision tower and projector), served by our
+Qwen2-VL / Qwen2.5-VL families as if they were the Hugging Face checkpoint the converter read.
+
+Three things are recovered from the two files, each by undoing what llama.cpp's converter
+(`convert_hf_to_gguf.py`, `conversion/qwenvl.py`) did:
+
+- the config: the text file's `qwen2vl.*` keys and the mmproj's `clip.vision.*` keys -> a Transformers
+  `Qwen2VLConfig` / `Qwen2_5_VLConfig` (`vlm_config`); a text file without its mmproj is served as the
+  text model alone (`Qwen2ForCausalLM`: M-RoPE with its three axes equal is 1-D RoPE);
+- the weights: gguf-py's own HF -> GGUF name map, inverted on the names the Transformers model has, with
+  the converter's splits merged back (the vision blocks' q/k/v into `qkv`, the two temporal halves of the
+  patch embedding into one Conv3D), each tensor dequantized to fp32 on its own (`iter_weights`);
+- the prompt side: the tokenizer and chat template from the text file's `tokenizer.*` keys, the image
+  processor from the mmproj's, written once as a Hugging Face processor directory (`processor_directory`)
+  that the family's own prompt code loads.
+
+What the files do not hold is taken as the released models and llama.cpp take it, each named in
+`_NOT_STORED`; anything else missing is an error naming the key, raised before a weight is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vlm_engine.models.loader import gguf_field, gguf_reader
+
+logger = logging.getLogger(__name__)
+
+CLIP_ARCHITECTURE = "clip"  # general.architecture of every mmproj file
+TEXT_ARCHITECTURES = ("qwen2vl",)  # llama.cpp writes Qwen2-VL's and Qwen2.5-VL's decoder as "qwen2vl"
+
+# clip.projector_type -> the architecture whose vision tower and merger the mmproj holds
+PROJECTORS = {
+    "qwen2vl_merger": "Qwen2VLForConditionalGeneration",
+    "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
+}
+
+# Values neither file stores, as the released checkpoints (and llama.cpp's clip.cpp) have them.
+_NOT_STORED = {
+    "temporal_patch_size": 2,  # the converter asserts it when it splits the Conv3D
+    "spatial_merge_size": 2,  # clip.cpp's default where clip.vision.spatial_merge_size is absent
+    "window_size": 112,  # Qwen2.5-VL's attention windows: clip.cpp's default (the converter does not write it)
+    "tokens_per_second": 2,  # Qwen2.5-VL's temporal positions per second of video
+    # The released processors' pixel budget (Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json)
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 16384,
+}
+_MEDIA_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+# Our (Transformers') parameter names -> the names on disk, which the converter read and gguf-py maps.
+_DISK_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+_PROCESSOR_VERSION = 1  # bump when processor_directory writes other files
+
+
+def gguf_architecture(path: Path) -> str:
+    """general.architecture, read from the header alone where it is the first key (the converter writes it
+    first), so telling an mmproj from a text file does not parse a vocabulary."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if head[:4] == b"GGUF" and len(head) >= 32:
+        (key_len,) = struct.unpack_from("<Q", head, 24)
+        key = head[32 : 32 + key_len]
+        if key == b"general.architecture":
+            at = 32 + key_len
+            value_type, value_len = struct.unpack_from("<IQ", head, at)
+            if value_type == 8:  # a string
+                return head[at + 12 : at + 12 + value_len].decode()
+    return str(gguf_field(gguf_reader(path), "general.architecture"))
+
+
+def is_mmproj(path: Path) -> bool:
+    return gguf_architecture(path) == CLIP_ARCHITECTURE
+
+
+def serves(path: Path) -> bool:
+    """Whether a text GGUF is one of this module's (the llama ones stay with loader.py)."""
+    return gguf_architecture(path) in TEXT_ARCHITECTURES
+
+
+def find_mmproj(directory: Path) -> tuple[Path | None, list[Path]]:
+    """A directory's mmproj (None without one) and its text GGUFs; several mmproj files are an error."""
+    ggufs = sorted(directory.glob("*.gguf"))
+    clips = [p for p in ggufs if is_mmproj(p)]
+    if len(clips) > 1:
+        raise ValueError(f"{directory} holds several mmproj files ({', '.join(p.name for p in clips)}): pass one")
+    return (clips[0] if clips else None), [p for p in ggufs if p not in clips]
+
+
+# ---- config ------------------------------------------------------------------------------------
+
+
+def _required(reader: Any, path: Path, key: str) -> Any:
+    value = gguf_field(reader, key)
+    if value is None:
+        raise ValueError(f"{path.name}: GGUF key {key!r} is missing (it is needed to build the model)")
+    return value
+
+
+def vlm_config(text: Path, mmproj: Path | None) -> Any:
+    """The Transformers config of the model the two files hold (the text model alone without `mmproj`)."""
+    reader = gguf_reader(text)
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in TEXT_ARCHITECTURES:
+        raise ValueError(f"{text.name}: GGUF architecture {arch!r} is not a VLM's text model {TEXT_ARCHITECTURES}")
+    text_config = _text_config(reader, text, str(arch))
+    if mmproj is None:
+        from transformers import Qwen2Config
+
+        text_config["rope_parameters"].pop("mrope_section")  # text alone: M-RoPE's three equal axes are 1-D RoPE
+        return Qwen2Config(**text_config, architectures=["Qwen2ForCausalLM"])
+    clip = gguf_reader(mmproj)
+    architecture = _projector_architecture(clip, mmproj, text)
+    projection = int(_required(clip, mmproj, "clip.vision.projection_dim"))
+    if projection != text_config["hidden_size"]:
+        raise ValueError(
+            f"{mmproj.name} projects to width {projection}, {text.name} is {text_config['hidden_size']} wide: "
+            "they are not one model's pair"
+        )
+    tokens = list(_required(reader, text, "tokenizer.ggml.tokens"))
+    media_ids = {}
+    for key, token in _MEDIA_TOKENS.items():
+        if token not in tokens:
+            raise ValueError(f"{text.name}: the vocabulary has no {token} token (tokenizer.ggml.tokens)")
+        media_ids[key] = tokens.index(token)
+    import transformers
+
+    if architecture == "Qwen2VLForConditionalGeneration":
+        config_class, vision = transformers.Qwen2VLConfig, _qwen2_vl_vision(clip, mmproj)
+    else:
+        config_class, vision = transformers.Qwen2_5_VLConfig, _qwen2_5_vl_vision(clip, mmproj)
+    return config_class(
+        text_config=text_config, vision_config=vision, tie_word_embeddings=text_config["tie_word_embeddings"],
+        architectures=[architecture], **media_ids,
+    )  # fmt: skip
+
+
+def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
+    def key(name: str) -> Any:
+        return _required(reader, path, f"{arch}.{name}")
+
+    names = {t.name for t in reader.tensors}
+    embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    sections = [int(s) for s in key("rope.dimension_sections")][:3]  # the converter pads M-RoPE's 3 to 4
+    heads = int(key("attention.head_count"))
+    return {
+        "vocab_size": int(embedding.shape[-1]),  # rows the embedding has (the vocabulary may list fewer)
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(gguf_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": _float(key("attention.layer_norm_rms_epsilon")),
+        "hidden_act": "silu",
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": _float(key("rope.freq_base")),
+            "mrope_section": sections,
+        },
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "pad_token_id": gguf_field(reader, "tokenizer.ggml.padding_token_id"),
+    }
+
+
+def _float(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07): the shortest
+    text that reads back as the same float32."""
+    return float(str(np.float32(value)))
+
+
+def _projector_architecture(clip: Any, mmproj: Path, text: Path) -> str:
+    if not gguf_field(clip, "clip.has_vision_encoder", False):
+        raise ValueError(f"{mmproj.name}: the mmproj has no vision encoder (clip.has_vision_encoder)")
+    projector = gguf_field(clip, "clip.vision.projector_type") or gguf_field(clip, "clip.projector_type")
+    architecture = PROJECTORS.get(str(projector))
+    if architecture is None:
+        raise ValueError(
+            f"{mmproj.name}: projector type {projector!r} (clip.projector_type) is not one of {text.name}'s "
+            f"family (qwen2vl text takes {sorted(PROJECTORS)})"
+        )
+    return architecture
+
+
+def _vision_common(clip: Any, mmproj: Path) -> dict[str, Any]:
+    return {
+        "depth": int(_required(clip, mmproj, "clip.vision.block_count")),
+        "num_heads": int(_required(clip, mmproj, "clip.vision.attention.head_count")),
+        "patch_size": int(_required(clip, mmproj, "clip.vision.patch_size")),
+        "spatial_merge_size": int(
+            gguf_field(clip, "clip.vision.spatial_merge_size", _NOT_STORED["spatial_merge_size"])
+        ),
+        "temporal_patch_size": _NOT_STORED["temporal_patch_size"],
+        "in_channels": 3,
+    }
+
+
+def _qwen2_vl_vision(clip: Any, mmproj: Path) -> dict[str, Any]:
+    width = int(_required(clip, mmproj, "clip.vision.embedding_length"))
+    # Not clip.vision.feed_forward_length: for Qwen2-VL the converter writes the config's `hidden_size`
+    # there (the text width the merger projects to). The MLP's own rows say it.
+    up = next((t for t in clip.tensors if t.name == "v.blk.0.ffn_up.weight"), None)
+    if up is None:
+        raise ValueError(f"{mmproj.name}: no tensor v.blk.0.ffn_up.weight (the vision MLP's width)")
+    return {
+        **_vision_common(clip, mmproj),
+        "embed_dim": width,
+        "hidden_size": int(_required(clip, mmproj, "clip.vision.projection_dim")),  # the merger's output
+        "mlp_ratio": int(up.shape[-1]) // width,
+        "hidden_act": "quick_gelu",
+    }
+
+
+def _qwen2_5_vl_vision(clip: Any, mmproj: Path) -> dict[str, Any]:
+    common = _vision_common(clip, mmproj)
+    # The converter keeps only the spacing of the full-attention blocks: n_wa_pattern = first index + 1.
+    pattern = int(_required(clip, mmproj, "clip.vision.n_wa_pattern"))
+    return {
+        **common,
+        "hidden_size": int(_required(clip, mmproj, "clip.vision.embedding_length")),
+        "intermediate_size": int(_required(clip, mmproj, "clip.vision.feed_forward_length")),
+        "out_hidden_size": int(_required(clip, mmproj, "clip.vision.projection_dim")),
+        "fullatt_block_indexes": list(range(pattern - 1, common["depth"], pattern)),
+        "window_size": int(gguf_field(clip, "clip.vision.window_size", _NOT_STORED["window_size"])),
+        "tokens_per_second": _NOT_STORED["tokens_per_second"],
+        "hidden_act": "silu",
+    }
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A checkpoint tensor and the GGUF tensors it is made of, in order, joined along `axis` (a stack
+    when `stack`: the patch embedding's temporal halves)."""
+
+    name: str
+    parts: tuple[str, ...]
+    axis: int = 0
+    stack: bool = False
+
+
+def checkpoint_targets(config: Any) -> dict[str, _Target]:
+    """GGUF tensor name -> the checkpoint tensor it belongs to, for every parameter of the Transformers
+    model of `config`: gguf-py's HF -> GGUF map, applied as the converter applies it, read backwards."""
+    import gguf
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vision = getattr(config, "vision_config", None)
+    auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+    with torch.device("meta"):
+        names = [_disk_name(n) for n, _ in auto.from_config(config).named_parameters()]
+    text_config = getattr(config, "text_config", config)
+    text_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, text_config.num_hidden_layers)
+    # The merger's layers are named by block index (mlp.0, mlp.2): a map for fewer than 3 blocks lacks them.
+    vision_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(getattr(vision, "depth", 0), 3))
+    suffixes = (".weight", ".bias")
+    targets: dict[str, _Target] = {}
+    for name in names:
+        if name.startswith("visual.patch_embed.proj."):
+            # conversion/qwenvl.py: the Conv3D's kernel split along time into two Conv2D kernels
+            base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
+            target = _Target(name, (base, base + ".1"), axis=2, stack=True)
+        elif ".attn.qkv." in name:
+            # conversion/qwenvl.py: the fused projection's rows split into q, k and v
+            parts = tuple(vision_map.get_name(name.replace(".qkv.", f".{p}."), suffixes) for p in "qkv")
+            target = _Target(name, parts)  # type: ignore[arg-type]
+        else:
+            mapped = (vision_map if name.startswith("visual.") else text_map).get_name(name, suffixes)
+            target = _Target(name, (mapped,))  # type: ignore[arg-type]
+        if None in target.parts:
+            raise ValueError(f"no GGUF name for checkpoint tensor {name} in gguf-py's map")
+        targets.update(dict.fromkeys(target.parts, target))
+    return targets
+
+
+def _disk_name(name: str) -> str:
+    for ours, disk in _DISK_PREFIXES:
+        if name.startswith(ours):
+            return disk + name[len(ours) :]
+    return name
+
+
+def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, fp32 tensor) of both files, each tensor dequantized alone; a checkpoint tensor the
+    converter split is yielded once all its parts were read (they lie next to each other in the file)."""
+    from gguf.quants import dequantize
+
+    targets = checkpoint_targets(config)
+    pending: dict[str, dict[str, np.ndarray]] = {}
+    for path in (text, mmproj) if mmproj is not None else (text,):
+        for tensor in gguf_reader(path).tensors:
+            target = targets.get(tensor.name)
+            if target is None:
+                raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if len(target.parts) == 1:
+                yield target.name, torch.from_numpy(np.array(array, copy=True))
+                continue
+            parts = pending.setdefault(target.name, {})
+            parts[tensor.name] = array
+            if len(parts) == len(target.parts):
+                del pending[target.name]
+                arrays = [parts[p] for p in target.parts]
+                joined = np.stack(arrays, target.axis) if target.stack else np.concatenate(arrays, target.axis)
+                yield target.name, torch.from_numpy(joined)
+    if pending:
+        raise ValueError(f"GGUF tensors of {sorted(pending)} are missing parts")
+
+
+# ---- the prompt side ---------------------------------------------------------------------------
+
+
+def processor_directory(text: Path, mmproj: Path | None, config: Any) -> Path:
+    """A Hugging Face processor directory (tokenizer, chat template, image and video processors, config)
+    rebuilt from the two files, made once per pair of files under the cache and reused: what the family's
+    prompt code loads, as it loads a checkpoint's."""
+    import transformers
+
+    identity = [_file_identity(text), _file_identity(mmproj) if mmproj else None, transformers.__version__]
+    key = hashlib.sha256(json.dumps([identity, _PROCESSOR_VERSION]).encode()).hexdigest()[:20]
+    root = Path(os.environ.get("VLM_ENGINE_CACHE", Path.home() / ".cache" / "vlm_engine")) / "gguf-processors"
+    final = root / f"{text.stem}-{key}"
+    if final.exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        _write_processor(staging, text, mmproj, config)
+        os.chmod(staging, 0o755)
+        try:
+            os.rename(staging, final)  # whole or not at all; another process may have won the race
+        except OSError:
+            if not final.exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _file_identity(path: Path) -> list[Any]:
+    stat = path.stat()
+    return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
+
+
+def gguf_tokenizer(text: Path) -> Any:
+    """The text file's tokenizer (vocabulary, merges, special tokens, chat template), built by Transformers'
+    GGUF tokenizer conversion, which does not depend on the file's architecture."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(text))
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    options = {k: v for k, v in {**tokenizer_config, **extra}.items() if v is not None}
+    if "chat_template" not in options:
+        raise ValueError(f"{text.name}: no chat template (tokenizer.chat_template)")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **options)
+
+
+def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) -> None:
+    tokenizer = gguf_tokenizer(text)
+    config.save_pretrained(str(out))
+    if mmproj is None:
+        tokenizer.save_pretrained(str(out))
+        return
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    clip = gguf_reader(mmproj)
+    vision = config.vision_config
+    pixels = {
+        "shortest_edge": int(gguf_field(clip, "clip.vision.image_min_pixels", _NOT_STORED["min_pixels"])),
+        "longest_edge": int(gguf_field(clip, "clip.vision.image_max_pixels", _NOT_STORED["max_pixels"])),
+    }
+    options = {
+        "size": pixels, "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+        "merge_size": vision.spatial_merge_size,
+        "image_mean": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_mean")],
+        "image_std": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_std")],
+    }  # fmt: skip
+    processor_class = (
+        Qwen2VLProcessor if config.architectures == ["Qwen2VLForConditionalGeneration"] else Qwen2_5_VLProcessor
+    )
+    processor = processor_class(
+        image_processor=Qwen2VLImageProcessor(**options), video_processor=Qwen2VLVideoProcessor(**options),
+        tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+    )  # fmt: skip
+    processor.save_pretrained(str(out))
