@@ -20,16 +20,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from testkit.checkpoints import cached_checkpoint
+from testkit.drafts import BIGRAM_TOKENS, bigram_distribution, write_bigram_qwen2, write_random_llama
 from tests.conftest import make_image
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.cache.page_pool import PagePool
-from vlm_engine.inputs import ProcessedPrompt
 from vlm_engine.config import SchedulingConfig
+from vlm_engine.inputs import ProcessedPrompt
+from vlm_engine.runner.verify import verify_greedy, verify_sampled
 from vlm_engine.scheduler import Request, SampledToken, Scheduler, SchedulerConfig
 from vlm_engine.speculative.ngram import ngram_lookup
-from vlm_engine.runner.verify import verify_greedy, verify_sampled
-from testkit.checkpoints import cached_checkpoint
-from testkit.drafts import BIGRAM_TOKENS, bigram_distribution, write_bigram_qwen2, write_random_llama
 
 SMOLLM2 = "SmolLM2-135M-Instruct"
 # fp32 everywhere: its linears give a row the same result whatever the batch (bf16, the 'auto'
@@ -129,7 +129,7 @@ def test_rejection_sampling_follows_the_target_distribution() -> None:
 
 
 def test_policy_pauses_requests_whose_drafts_fail_and_large_batches() -> None:
-    from vlm_engine.scheduler.scheduler import ScheduledChunk
+    from vlm_engine.scheduler.batch import ScheduledChunk
     from vlm_engine.speculative import Speculator
 
     class NoProposer:

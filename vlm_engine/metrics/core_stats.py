@@ -17,7 +17,8 @@ from vlm_engine import ipc
 if TYPE_CHECKING:
     from vlm_engine.cache.encoder_cache import EncoderCache
     from vlm_engine.runner.model_runner import RunnerOutput
-    from vlm_engine.scheduler.scheduler import Scheduler, SchedulerOutput
+    from vlm_engine.scheduler.batch import SchedulerOutput
+    from vlm_engine.scheduler.scheduler import Scheduler
     from vlm_engine.speculative.speculator import SpeculationStats
 
 

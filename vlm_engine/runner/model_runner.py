@@ -23,8 +23,8 @@ from vlm_engine.models.family import VLModel
 from vlm_engine.models.layers import ForwardContext, StepState
 from vlm_engine.runner.sampler import SampledToken, batch_argmax, sample, token_logprobs
 from vlm_engine.runner.verify import verify_greedy, verify_sampled
+from vlm_engine.scheduler.batch import ScheduledChunk, SchedulerOutput
 from vlm_engine.scheduler.request import Request
-from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 from vlm_engine.structured.grammar import build_bitmask
 
 

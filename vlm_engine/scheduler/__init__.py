@@ -1,14 +1,8 @@
 """Request lifecycle and batching policy; knows pages and tokens, never tensors."""
 
+from vlm_engine.scheduler.batch import RequestRejected, ScheduledChunk, SchedulerConfig, SchedulerOutput, StepUpdate
 from vlm_engine.scheduler.request import Request, RequestStatus, SampledToken
-from vlm_engine.scheduler.scheduler import (
-    RequestRejected,
-    ScheduledChunk,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-    StepUpdate,
-)
+from vlm_engine.scheduler.scheduler import Scheduler
 
 __all__ = [
     "Request",
@@ -21,4 +15,3 @@ __all__ = [
     "SchedulerOutput",
     "StepUpdate",
 ]
-

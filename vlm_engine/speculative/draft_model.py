@@ -16,8 +16,8 @@ import torch
 
 from vlm_engine.runner.model_runner import ModelRunner
 from vlm_engine.runner.sampler import target_probs
+from vlm_engine.scheduler.batch import ScheduledChunk
 from vlm_engine.scheduler.request import Request
-from vlm_engine.scheduler.scheduler import ScheduledChunk
 
 
 class DraftModelProposer:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vlm_engine.scheduler.scheduler import ScheduledChunk
+from vlm_engine.scheduler.batch import ScheduledChunk
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from vlm_engine.config import SpeculativeConfig
+from vlm_engine.scheduler.batch import ScheduledChunk, SchedulerOutput
 from vlm_engine.scheduler.request import Request
-from vlm_engine.scheduler.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from vlm_engine.runner.model_runner import ModelRunner
