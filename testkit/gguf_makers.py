@@ -56,7 +56,8 @@ def source_checkpoint(family: str) -> Path:
     qwen2.5-vl: the "tiny" preset with what the mmproj cannot say set as llama.cpp assumes it (112-px
     attention windows; the released processors' pixel budget) and a 256-wide text model, so that every
     decoder matrix has rows of whole 256-value K-quant super-blocks (narrower rows fall back to other types).
-    qwen2-vl: the "tiny" checkpoint as the other tests use it (a 2-block tower).
+    qwen2-vl: the "tiny" checkpoint as the other tests use it (a 2-block tower); qwen3-vl: "tiny" with the released
+    processor's pixel budget; smolvlm: "tiny", for its mmproj only (another family's tower).
     """
     from testkit import checkpoints, qwen_vl_checkpoints, smolvlm_checkpoints
 
@@ -64,6 +65,10 @@ def source_checkpoint(family: str) -> Path:
         return checkpoints.cached_qwen2_vl("tiny")
     if family == "smolvlm":  # only its mmproj: another family's vision tower
         return smolvlm_checkpoints.cached_smolvlm("tiny")
+    if family == "qwen3-vl":  # the "tiny" preset with the released processor's pixel budget
+        preset = {**qwen_vl_checkpoints.QWEN3_VL_PRESETS["tiny"], "pixels": (65536, 16777216)}
+        row = dataclasses.replace(qwen_vl_checkpoints.QWEN3_VL, cache_stem="qwen3-vl-gguf", presets={"gguf": preset})
+        return checkpoints.cached_random_checkpoint(row, "gguf")
     if family != "qwen2.5-vl":
         raise ValueError(f"no GGUF test checkpoint for {family!r}")
     tiny = qwen_vl_checkpoints.QWEN2_5_VL_PRESETS["tiny"]

@@ -23,6 +23,7 @@ from vlm_engine.models import gguf_vlm, loader, registry
 pytestmark = pytest.mark.slow  # the first run converts and quantizes (cached after)
 
 MAX_TOKENS = 12
+FAMILIES = ["qwen2.5-vl", "qwen2-vl", "qwen3-vl"]
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)  # our EOS: the files'; Transformers': its own
 CONVERSATIONS = [
     [{"role": "user", "content": "Tell me a story about a red fox."}],
@@ -56,10 +57,19 @@ def dequantized_checkpoint(directory: Path, out: Path) -> Path:
     return out
 
 
+def legacy_name(name: str) -> str:
+    """A checkpoint name in the layout Qwen2-VL was released in (Qwen3-VL's nest under model.*): what the
+    converter's map reads and iter_weights yields; our families take both."""
+    for nested, legacy in (("model.visual.", "visual."), ("model.language_model.", "model.")):
+        if name.startswith(nested):
+            return legacy + name[len(nested) :]
+    return name
+
+
 # ---- config, names, values -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_config_is_the_checkpoints(family: str) -> None:
     """Every value our family reads, recovered from the two files."""
     from transformers import AutoConfig
@@ -80,13 +90,13 @@ def test_config_is_the_checkpoints(family: str) -> None:
         assert getattr(got.vision_config, key, None) == getattr(want.vision_config, key, None), key
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_f32_tensors_are_the_checkpoints_bit_for_bit(family: str) -> None:
     """The inverted name map with the converter's splits undone (q/k/v -> qkv, the patch embedding's two
     temporal halves -> one Conv3D): every checkpoint tensor comes back exactly, none left over."""
     source = registry.resolve_model(str(gguf_makers.gguf_vlm_dir(family)))
     got = dict(source.weights(registry.load_config(source)))
-    want = {name: t.read() if isinstance(t, loader.StoredTensor) else t
+    want = {legacy_name(name): t.read() if isinstance(t, loader.StoredTensor) else t
             for name, t in loader.iter_safetensors(gguf_makers.source_checkpoint(family))}  # fmt: skip
     assert got.keys() == want.keys()
     for name, tensor in want.items():
@@ -96,7 +106,7 @@ def test_f32_tensors_are_the_checkpoints_bit_for_bit(family: str) -> None:
 # ---- greedy tokens against Transformers ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen2-vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_f32_pair_greedy_equals_transformers(family: str) -> None:
     """The directory form: the engine finds the mmproj by its architecture; the tokenizer and processors
     rebuilt from the files expand the prompts into Transformers' ids."""
@@ -194,13 +204,18 @@ def test_text_gguf_alone_serves_text_and_refuses_images(tmp_path: Path) -> None:
 
 
 def test_an_mmproj_of_another_family_is_refused_at_start() -> None:
-    """SmolVLM's projector beside a Qwen2-VL text model: a start-up error naming the projector type, and a
-    Qwen2-VL tower of another width: not the text model's pair. Before any weight is read."""
-    text = gguf_makers.text_file(gguf_makers.gguf_vlm_dir("qwen2.5-vl"))
+    """SmolVLM's projector beside a Qwen2.5-VL text model, Qwen2.5-VL's beside Qwen3-VL's: start-up errors
+    naming the projector type; a Qwen2-VL tower of another width: not the text model's pair. All before
+    any weight is read."""
+    directory = gguf_makers.gguf_vlm_dir("qwen2.5-vl")
+    text = gguf_makers.text_file(directory)
     smolvlm = gguf_makers.mmproj_gguf("smolvlm")
     with pytest.raises(ValueError, match="projector type 'idefics3'"):
         registry.load_config(registry.resolve_model(str(text), str(smolvlm)))
     other = gguf_makers.mmproj_file(gguf_makers.gguf_vlm_dir("qwen2-vl"))
     with pytest.raises(ValueError, match="not one model's pair"):
         registry.load_config(registry.resolve_model(str(text), str(other)))
+    qwen3 = gguf_makers.text_file(gguf_makers.gguf_vlm_dir("qwen3-vl"))
+    with pytest.raises(ValueError, match="qwen3vl text takes qwen3vl_merger"):
+        registry.load_config(registry.resolve_model(str(qwen3), str(gguf_makers.mmproj_file(directory))))
     assert gguf_vlm.is_mmproj(smolvlm) and not gguf_vlm.is_mmproj(text)

@@ -40,13 +40,14 @@ from vlm_engine.models.loader import gguf_field, gguf_reader
 logger = logging.getLogger(__name__)
 
 CLIP_ARCHITECTURE = "clip"  # general.architecture of every mmproj file
-TEXT_ARCHITECTURES = ("qwen2vl",)  # llama.cpp writes Qwen2-VL's and Qwen2.5-VL's decoder as "qwen2vl"
-
+# A text GGUF's general.architecture -> the projector types (clip.projector_type) of its mmproj: llama.cpp
+# writes Qwen2-VL's and Qwen2.5-VL's decoder as "qwen2vl", Qwen3-VL's as "qwen3vl".
+TEXT_ARCHITECTURES = {"qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"), "qwen3vl": ("qwen3vl_merger",)}
+QWEN2_VL, QWEN2_5_VL, QWEN3_VL = (
+    "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+)  # fmt: skip
 # clip.projector_type -> the architecture whose vision tower and merger the mmproj holds
-PROJECTORS = {
-    "qwen2vl_merger": "Qwen2VLForConditionalGeneration",
-    "qwen2.5vl_merger": "Qwen2_5_VLForConditionalGeneration",
-}
+PROJECTORS = {"qwen2vl_merger": QWEN2_VL, "qwen2.5vl_merger": QWEN2_5_VL, "qwen3vl_merger": QWEN3_VL}
 
 # Values neither file stores, as the released checkpoints (and llama.cpp's clip.cpp) have them.
 _NOT_STORED = {
@@ -54,10 +55,9 @@ _NOT_STORED = {
     "spatial_merge_size": 2,  # clip.cpp's default where clip.vision.spatial_merge_size is absent
     "window_size": 112,  # Qwen2.5-VL's attention windows: clip.cpp's default (the converter does not write it)
     "tokens_per_second": 2,  # Qwen2.5-VL's temporal positions per second of video
-    # The released processors' pixel budget (Qwen2-VL's and Qwen2.5-VL's preprocessor_config.json)
-    "min_pixels": 56 * 56,
-    "max_pixels": 28 * 28 * 16384,
 }
+# The released processors' pixel budget (their preprocessor_config.json `size`): (shortest, longest edge)
+_PIXELS = {QWEN2_VL: (56 * 56, 28 * 28 * 16384), QWEN2_5_VL: (56 * 56, 28 * 28 * 16384), QWEN3_VL: (65536, 16777216)}
 _MEDIA_TOKENS = {
     "image_token_id": "<|image_pad|>",
     "video_token_id": "<|video_pad|>",
@@ -66,7 +66,7 @@ _MEDIA_TOKENS = {
 }
 # Our (Transformers') parameter names -> the names on disk, which the converter read and gguf-py maps.
 _DISK_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
-_PROCESSOR_VERSION = 1  # bump when processor_directory writes other files
+_PROCESSOR_VERSION = 2  # bump when processor_directory writes other files
 
 
 def gguf_architecture(path: Path) -> str:
@@ -118,15 +118,20 @@ def vlm_config(text: Path, mmproj: Path | None) -> Any:
     reader = gguf_reader(text)
     arch = gguf_field(reader, "general.architecture")
     if arch not in TEXT_ARCHITECTURES:
-        raise ValueError(f"{text.name}: GGUF architecture {arch!r} is not a VLM's text model {TEXT_ARCHITECTURES}")
+        raise ValueError(
+            f"{text.name}: GGUF architecture {arch!r} is not a VLM's text model ({', '.join(TEXT_ARCHITECTURES)})"
+        )
     text_config = _text_config(reader, text, str(arch))
     if mmproj is None:
         from transformers import Qwen2Config
 
+        if arch != "qwen2vl":
+            raise ValueError(f"{text.name}: a {arch} text model is served with its mmproj only (give --mmproj)")
+
         text_config["rope_parameters"].pop("mrope_section")  # text alone: M-RoPE's three equal axes are 1-D RoPE
         return Qwen2Config(**text_config, architectures=["Qwen2ForCausalLM"])
     clip = gguf_reader(mmproj)
-    architecture = _projector_architecture(clip, mmproj, text)
+    architecture = _projector_architecture(clip, mmproj, text, str(arch))
     projection = int(_required(clip, mmproj, "clip.vision.projection_dim"))
     if projection != text_config["hidden_size"]:
         raise ValueError(
@@ -141,10 +146,12 @@ def vlm_config(text: Path, mmproj: Path | None) -> Any:
         media_ids[key] = tokens.index(token)
     import transformers
 
-    if architecture == "Qwen2VLForConditionalGeneration":
-        config_class, vision = transformers.Qwen2VLConfig, _qwen2_vl_vision(clip, mmproj)
-    else:
-        config_class, vision = transformers.Qwen2_5_VLConfig, _qwen2_5_vl_vision(clip, mmproj)
+    vision_config, config_class = {
+        QWEN2_VL: (_qwen2_vl_vision, transformers.Qwen2VLConfig),
+        QWEN2_5_VL: (_qwen2_5_vl_vision, transformers.Qwen2_5_VLConfig),
+        QWEN3_VL: (_qwen3_vl_vision, transformers.Qwen3VLConfig),
+    }[architecture]
+    vision = vision_config(clip, mmproj)
     return config_class(
         text_config=text_config, vision_config=vision, tie_word_embeddings=text_config["tie_word_embeddings"],
         architectures=[architecture], **media_ids,
@@ -159,7 +166,9 @@ def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     sections = [int(s) for s in key("rope.dimension_sections")][:3]  # the converter pads M-RoPE's 3 to 4
     heads = int(key("attention.head_count"))
+    qwen3 = {"head_dim": int(key("attention.key_length"))} if arch == "qwen3vl" else {}  # explicit, not hidden / heads
     return {
+        **qwen3,
         "vocab_size": int(embedding.shape[-1]),  # rows the embedding has (the vocabulary may list fewer)
         "hidden_size": int(key("embedding_length")),
         "intermediate_size": int(key("feed_forward_length")),
@@ -173,6 +182,7 @@ def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
             "rope_type": "default",
             "rope_theta": _float(key("rope.freq_base")),
             "mrope_section": sections,
+            **({"mrope_interleaved": True} if qwen3 else {}),  # Qwen3-VL interleaves the sections (t, h, w, t, ...)
         },
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -187,17 +197,16 @@ def _float(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _projector_architecture(clip: Any, mmproj: Path, text: Path) -> str:
+def _projector_architecture(clip: Any, mmproj: Path, text: Path, arch: str) -> str:
     if not gguf_field(clip, "clip.has_vision_encoder", False):
         raise ValueError(f"{mmproj.name}: the mmproj has no vision encoder (clip.has_vision_encoder)")
     projector = gguf_field(clip, "clip.vision.projector_type") or gguf_field(clip, "clip.projector_type")
-    architecture = PROJECTORS.get(str(projector))
-    if architecture is None:
+    if projector not in TEXT_ARCHITECTURES[arch]:
         raise ValueError(
             f"{mmproj.name}: projector type {projector!r} (clip.projector_type) is not one of {text.name}'s "
-            f"family (qwen2vl text takes {sorted(PROJECTORS)})"
+            f"family ({arch} text takes {', '.join(TEXT_ARCHITECTURES[arch])})"
         )
-    return architecture
+    return PROJECTORS[str(projector)]
 
 
 def _vision_common(clip: Any, mmproj: Path) -> dict[str, Any]:
@@ -245,6 +254,22 @@ def _qwen2_5_vl_vision(clip: Any, mmproj: Path) -> dict[str, Any]:
     }
 
 
+def _qwen3_vl_vision(clip: Any, mmproj: Path) -> dict[str, Any]:
+    positions = next((t for t in clip.tensors if t.name == "v.position_embd.weight"), None)
+    if positions is None:
+        raise ValueError(f"{mmproj.name}: no tensor v.position_embd.weight (the learned position grid)")
+    deepstack = gguf_field(clip, "clip.vision.is_deepstack_layers", [])
+    return {
+        **_vision_common(clip, mmproj),
+        "hidden_size": int(_required(clip, mmproj, "clip.vision.embedding_length")),
+        "intermediate_size": int(_required(clip, mmproj, "clip.vision.feed_forward_length")),
+        "out_hidden_size": int(_required(clip, mmproj, "clip.vision.projection_dim")),
+        "num_position_embeddings": int(positions.shape[-1]),
+        "deepstack_visual_indexes": [i for i, flag in enumerate(deepstack) if flag],
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+
+
 # ---- weights -----------------------------------------------------------------------------------
 
 
@@ -259,7 +284,7 @@ class _Target:
     stack: bool = False
 
 
-def checkpoint_targets(config: Any) -> dict[str, _Target]:
+def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
     """GGUF tensor name -> the checkpoint tensor it belongs to, for every parameter of the Transformers
     model of `config`: gguf-py's HF -> GGUF map, applied as the converter applies it, read backwards."""
     import gguf
@@ -270,27 +295,54 @@ def checkpoint_targets(config: Any) -> dict[str, _Target]:
     with torch.device("meta"):
         names = [_disk_name(n) for n, _ in auto.from_config(config).named_parameters()]
     text_config = getattr(config, "text_config", config)
-    text_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2VL, text_config.num_hidden_layers)
+    text_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH[text_arch.upper()], text_config.num_hidden_layers)
     # The merger's layers are named by block index (mlp.0, mlp.2): a map for fewer than 3 blocks lacks them.
     vision_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(getattr(vision, "depth", 0), 3))
-    suffixes = (".weight", ".bias")
     targets: dict[str, _Target] = {}
     for name in names:
-        if name.startswith("visual.patch_embed.proj."):
-            # conversion/qwenvl.py: the Conv3D's kernel split along time into two Conv2D kernels
-            base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.V_ENC_EMBD_PATCH] + ".weight"
-            target = _Target(name, (base, base + ".1"), axis=2, stack=True)
-        elif ".attn.qkv." in name:
-            # conversion/qwenvl.py: the fused projection's rows split into q, k and v
-            parts = tuple(vision_map.get_name(name.replace(".qkv.", f".{p}."), suffixes) for p in "qkv")
-            target = _Target(name, parts)  # type: ignore[arg-type]
+        if name.startswith("visual."):
+            target = _vision_target(name, config, vision_map)
         else:
-            mapped = (vision_map if name.startswith("visual.") else text_map).get_name(name, suffixes)
-            target = _Target(name, (mapped,))  # type: ignore[arg-type]
+            target = _Target(name, (text_map.get_name(name, _SUFFIXES),))  # type: ignore[arg-type]
         if None in target.parts:
             raise ValueError(f"no GGUF name for checkpoint tensor {name} in gguf-py's map")
         targets.update(dict.fromkeys(target.parts, target))
     return targets
+
+
+_SUFFIXES = (".weight", ".bias")
+
+
+def _vision_target(name: str, config: Any, vision_map: Any) -> _Target:
+    """What the converter made of a vision tensor: conversion/qwenvl.py (Qwen2-VL, Qwen2.5-VL) and
+    conversion/qwen3vl.py (Qwen3-VL), each step read backwards."""
+    import gguf
+
+    names, kinds = gguf.TENSOR_NAMES, gguf.MODEL_TENSOR
+    qwen3 = config.architectures == [QWEN3_VL]
+    patch = names[kinds.V_ENC_EMBD_PATCH]
+    if name == "visual.patch_embed.proj.weight":  # the Conv3D's kernel split along time into two Conv2D kernels
+        return _Target(name, (f"{patch}.weight", f"{patch}.weight.1"), axis=2, stack=True)
+    if name == "visual.patch_embed.proj.bias":
+        return _Target(name, (f"{patch}.bias",))
+    if ".attn.qkv." in name and not qwen3:  # the fused projection's rows split into q, k and v
+        return _Target(name, tuple(vision_map.get_name(name.replace(".qkv.", f".{p}."), _SUFFIXES) for p in "qkv"))
+    parts = name.split(".")
+    if qwen3 and name.startswith("visual.deepstack_merger_list."):  # renumbered by the block they follow
+        index, layer, suffix = parts[2], parts[3], parts[4]
+        kind = {"norm": kinds.V_DS_NORM, "linear_fc1": kinds.V_DS_FC1, "linear_fc2": kinds.V_DS_FC2}[layer]
+        block = config.vision_config.deepstack_visual_indexes[int(index)]
+        return _Target(name, (f"{names[kind].format(bid=block)}.{suffix}",))
+    if qwen3 and name.startswith("visual.merger."):  # linear_fc1 / linear_fc2 named as Qwen2-VL's mlp.0 / mlp.2
+        layer, suffix = parts[2], parts[3]
+        mmproj = names[kinds.V_MMPROJ]
+        base = {
+            "norm": names[kinds.V_POST_NORM],
+            "linear_fc1": mmproj.format(bid=0),
+            "linear_fc2": mmproj.format(bid=2),
+        }
+        return _Target(name, (f"{base[layer]}.{suffix}",))
+    return _Target(name, (vision_map.get_name(name, _SUFFIXES),))
 
 
 def _disk_name(name: str) -> str:
@@ -305,7 +357,7 @@ def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple
     converter split is yielded once all its parts were read (they lie next to each other in the file)."""
     from gguf.quants import dequantize
 
-    targets = checkpoint_targets(config)
+    targets = checkpoint_targets(config, gguf_architecture(text))
     pending: dict[str, dict[str, np.ndarray]] = {}
     for path in (text, mmproj) if mmproj is not None else (text,):
         for tensor in gguf_reader(path).tensors:
@@ -382,13 +434,14 @@ def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) ->
     if mmproj is None:
         tokenizer.save_pretrained(str(out))
         return
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    import transformers
 
     clip = gguf_reader(mmproj)
-    vision = config.vision_config
+    vision, (architecture,) = config.vision_config, config.architectures
+    shortest, longest = _PIXELS[architecture]
     pixels = {
-        "shortest_edge": int(gguf_field(clip, "clip.vision.image_min_pixels", _NOT_STORED["min_pixels"])),
-        "longest_edge": int(gguf_field(clip, "clip.vision.image_max_pixels", _NOT_STORED["max_pixels"])),
+        "shortest_edge": int(gguf_field(clip, "clip.vision.image_min_pixels", shortest)),
+        "longest_edge": int(gguf_field(clip, "clip.vision.image_max_pixels", longest)),
     }
     options = {
         "size": pixels, "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
@@ -396,11 +449,14 @@ def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) ->
         "image_mean": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_mean")],
         "image_std": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_std")],
     }  # fmt: skip
-    processor_class = (
-        Qwen2VLProcessor if config.architectures == ["Qwen2VLForConditionalGeneration"] else Qwen2_5_VLProcessor
-    )
-    processor = processor_class(
-        image_processor=Qwen2VLImageProcessor(**options), video_processor=Qwen2VLVideoProcessor(**options),
+    processor_class, video_class = {
+        QWEN2_VL: ("Qwen2VLProcessor", "Qwen2VLVideoProcessor"),
+        QWEN2_5_VL: ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor"),
+        QWEN3_VL: ("Qwen3VLProcessor", "Qwen3VLVideoProcessor"),
+    }[architecture]
+    processor = getattr(transformers, processor_class)(
+        image_processor=transformers.Qwen2VLImageProcessor(**options),
+        video_processor=getattr(transformers, video_class)(**options),
         tokenizer=tokenizer, chat_template=tokenizer.chat_template,
     )  # fmt: skip
     processor.save_pretrained(str(out))

@@ -144,7 +144,9 @@ def load_config(source: ModelSource) -> Any:
     if source.is_gguf_vlm:
         config = gguf_vlm.vlm_config(source.gguf_path, source.mmproj)  # type: ignore[arg-type]
     elif source.mmproj is not None:
-        raise ValueError(f"{source.gguf_file} is not the text model of a VLM {gguf_vlm.TEXT_ARCHITECTURES}: no mmproj")
+        raise ValueError(
+            f"{source.gguf_file} is not the text model of a VLM ({', '.join(gguf_vlm.TEXT_ARCHITECTURES)}): no mmproj"
+        )
     elif source.gguf_path is not None:
         config = loader.gguf_llama_config(source.gguf_path)
     else:
