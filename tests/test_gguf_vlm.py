@@ -1,5 +1,5 @@
 """GGUF VLMs (models/gguf_vlm.py): a text GGUF and its mmproj, as llama.cpp's converter and llama-quantize
-write them from tiny random Qwen2.5-VL and Qwen2-VL checkpoints (testkit/gguf_makers.py), served by our
+write them from tiny random Qwen2.5-VL, Qwen2-VL and Qwen3-VL checkpoints (testkit/gguf_makers.py), served by our
 families. F32 files: the tensors are the checkpoint's, bit for bit, and greedy tokens equal Transformers' on
 the checkpoint. Q8_0 / K-quant files: greedy tokens equal Transformers' on the checkpoint whose weights are
 replaced by the file's dequantized values (themselves close to the originals)."""

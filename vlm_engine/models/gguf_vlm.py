@@ -1,21 +1,24 @@
 """GGUF VLMs: llama.cpp's text GGUF plus its mmproj GGUF (the vision tower and projector), served by our
-Qwen2-VL / Qwen2.5-VL families as if they were the Hugging Face checkpoint the converter read.
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL families as if they were the Hugging Face checkpoint the converter read.
 
 Three things are recovered from the two files, each by undoing what llama.cpp's converter
-(`convert_hf_to_gguf.py`, `conversion/qwenvl.py`) did:
+(`convert_hf_to_gguf.py`, `conversion/qwenvl.py`, `conversion/qwen3vl.py`) did:
 
-- the config: the text file's `qwen2vl.*` keys and the mmproj's `clip.vision.*` keys -> a Transformers
-  `Qwen2VLConfig` / `Qwen2_5_VLConfig` (`vlm_config`); a text file without its mmproj is served as the
-  text model alone (`Qwen2ForCausalLM`: M-RoPE with its three axes equal is 1-D RoPE);
+- the config: the text file's `qwen2vl.*` / `qwen3vl.*` keys and the mmproj's `clip.vision.*` keys -> a
+  Transformers `Qwen2VLConfig` / `Qwen2_5_VLConfig` / `Qwen3VLConfig` (`vlm_config`); a qwen2vl text file
+  without its mmproj is served as the text model alone (`Qwen2ForCausalLM`: M-RoPE with its three axes
+  equal is 1-D RoPE);
 - the weights: gguf-py's own HF -> GGUF name map, inverted on the names the Transformers model has, with
-  the converter's splits merged back (the vision blocks' q/k/v into `qkv`, the two temporal halves of the
-  patch embedding into one Conv3D), each tensor dequantized to fp32 on its own (`iter_weights`);
+  the converter's own steps read backwards (`_vision_target`: Qwen2's q/k/v merged into `qkv`, the patch
+  embedding's two temporal halves into one Conv3D, Qwen3-VL's renumbered DeepStack mergers), each tensor
+  dequantized to fp32 on its own (`iter_weights`; quantized linears are then re-quantized by our own
+  int8/int4 path when asked: the GGUF's K-quant codes are not kept);
 - the prompt side: the tokenizer and chat template from the text file's `tokenizer.*` keys, the image
   processor from the mmproj's, written once as a Hugging Face processor directory (`processor_directory`)
   that the family's own prompt code loads.
 
-What the files do not hold is taken as the released models and llama.cpp take it, each named in
-`_NOT_STORED`; anything else missing is an error naming the key, raised before a weight is read.
+What the files do not hold is taken as the released models and llama.cpp take it (`_NOT_STORED`,
+`_PIXELS`); anything else missing is an error naming the key, raised before a weight is read.
 """
 
 from __future__ import annotations
