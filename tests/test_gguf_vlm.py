@@ -201,6 +201,9 @@ def test_text_gguf_alone_serves_text_and_refuses_images(tmp_path: Path) -> None:
     )
     with pytest.raises(PromptError, match="does not accept images"):
         engine.process_messages(CONVERSATIONS[1])
+    qwen3 = gguf_makers.text_file(gguf_makers.gguf_vlm_dir("qwen3-vl"))
+    with pytest.raises(ValueError, match="served with its mmproj only"):  # no Qwen3 text family to serve it alone
+        registry.load_config(registry.resolve_model(str(qwen3)))
 
 
 def test_an_mmproj_of_another_family_is_refused_at_start() -> None:
