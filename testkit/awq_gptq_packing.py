@@ -1,9 +1,11 @@
 """AWQ and GPTQ packing as the tools write it, and their dequantization as two other implementations read it
 (issue 51's tests of vlm_engine/models/quant_formats/awq.py and gptq.py).
 
-Neither AutoAWQ nor GPTQModel installs beside our torch pin, so their packing loops are transcribed here, line
-for line in what they compute (integer codes in, int32 words out; the float rounding before it is theirs to
-test), and each readback below comes from a different code base than the packer it checks:
+The tools themselves run through `run_tool` (installed once into the cache, beside our venv, not in it: slow
+tests). For the fast tests their packing loops are transcribed here, line for line in what they compute
+(integer codes in, int32 words out; the float rounding before it is theirs to test), the slow tests check the
+transcriptions against the tools, and each readback below comes from a different code base than the packer
+it checks:
 
     autoawq_gemm_pack     AutoAWQ awq/modules/linear/gemm.py, WQLinear_GEMM.from_linear (order_map loops)
     autoawq_gemv_pack     AutoAWQ awq/modules/linear/gemv.py, WQLinear_GEMV.from_linear, calculate_zeros_width
@@ -21,6 +23,14 @@ Shapes follow the tools: AWQ GEMM and GPTQ take codes [in, out] (the transposed 
 """
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -185,3 +195,121 @@ def gptqmodel_dequantize(
     weight = weight.reshape(weight.shape[0] * weight.shape[1], weight.shape[2])
     g = g_idx.long()
     return scales[g].float() * (weight - zeros[g]).float()
+
+
+# ---- the tools themselves ---------------------------------------------------------------------------------------
+# AutoAWQ and GPTQModel cannot be installed in our venv (their pins), but their packing runs on our interpreter:
+# each is `pip install --target`ed once into the cache with the few packages it needs that our venv lacks, and
+# runs in a subprocess with PYTHONPATH pointing there (`run_tool`). AutoAWQ's package __init__ imports its model
+# zoo (Transformers < 4.52); only its linear modules are loaded, under a stand-in package.
+
+TOOL_PINS = {
+    "autoawq": ("autoawq==0.2.9",),
+    "gptqmodel": ("gptqmodel==7.7.0", "Defuser==0.0.28", "Device-SMI==0.5.7", "LogBar==0.4.15", "PyPcre==0.6.4",
+                  "TokeNicer==0.0.14", "threadpoolctl==3.8.0"),
+}  # fmt: skip
+
+
+def tool_path(tool: str) -> Path:
+    """The directory the tool is installed in (built once; a lock keeps parallel test workers from racing)."""
+    from testkit.checkpoints import _file_lock, default_cache_root
+
+    pins = TOOL_PINS[tool]
+    target = default_cache_root().parent / "tools" / pins[0].replace("==", "-")
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if not target.exists():
+            staging = target.with_name(target.name + ".partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                 "--target", str(staging), *pins],
+                check=True, env={**os.environ, "BUILD_CUDA_EXT": "0"},
+            )  # fmt: skip
+            staging.rename(target)
+    return target
+
+
+def run_tool(tool: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case packed (and read back) by the tool itself: see `_autoawq_cases` and `_gptqmodel_cases`."""
+    with tempfile.TemporaryDirectory() as scratch:
+        given, made = Path(scratch) / "cases.pt", Path(scratch) / "made.pt"
+        torch.save(cases, given)
+        path = os.pathsep.join([str(tool_path(tool)), str(Path(__file__).parents[1])])
+        env = {**os.environ, "PYTHONPATH": path, "TMPDIR": scratch}  # what the tool leaves in tmp goes with scratch
+        command = [sys.executable, "-m", "testkit.awq_gptq_packing", tool, str(given), str(made)]
+        subprocess.run(command, check=True, env=env)
+        return torch.load(made)
+
+
+def _autoawq_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Case: codes q [out, in], zeros z and fp16 scales s [out, groups], group_size. Packed by
+    WQLinear_GEMM / WQLinear_GEMV.from_linear from the weight (q - z) * s, as AutoAWQ's quantizer calls them;
+    read back by AutoAWQ's own CPU dequantization (dequantize_gemm, fp16 arithmetic, [in, out])."""
+    import importlib.util
+    import types
+
+    from torch import nn
+
+    found = importlib.util.find_spec("awq")
+    sys.modules["awq"] = stand_in = types.ModuleType("awq")
+    stand_in.__path__ = list(found.submodule_search_locations)
+    from awq.modules.linear.gemm import WQLinear_GEMM
+    from awq.modules.linear.gemv import WQLinear_GEMV
+    from awq.utils.packing_utils import dequantize_gemm
+
+    made = []
+    for case in cases:
+        q, z, s, group_size = case["q"], case["z"], case["s"], case["group_size"]
+        g = torch.arange(q.shape[1]) // group_size
+        linear = nn.Linear(q.shape[1], q.shape[0], bias=False).half()
+        linear.weight.data = ((q - z[:, g]).float() * s[:, g].float()).half()
+        gemm = WQLinear_GEMM.from_linear(linear, 4, group_size, scales=s.t().contiguous(), zeros=z.t().contiguous())
+        gemv = WQLinear_GEMV.from_linear(linear, 4, group_size, scales=s, zeros=z)
+        made.append({
+            "gemm": {"qweight": gemm.qweight, "qzeros": gemm.qzeros, "scales": gemm.scales},
+            "gemm_dequantized": dequantize_gemm(gemm.qweight, gemm.qzeros, gemm.scales, 4, group_size),
+            "gemv": {"qweight": gemv.qweight, "qzeros": gemv.qzeros, "scales": gemv.scales},
+        })  # fmt: skip
+    return made
+
+
+def _gptqmodel_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Case: bits, sym, desc_act, group_size, codes q [out, in], zeros z and scales s [out, groups], g_idx [in].
+    Packed by TorchLinear.pack_original from the weight s[g_idx] * (q - z[g_idx]) (GPTQModel's internal v2), then
+    exported to v1 by convert_gptq_v2_to_v1_format_module; read back the way its loader does: v1 -> v2, then
+    dequantize_weight ([in, out], fp16 scales)."""
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.quantization.config import QuantizeConfig
+    from gptqmodel.utils.model import convert_gptq_v1_to_v2_format_module, convert_gptq_v2_to_v1_format_module
+    from torch import nn
+
+    made = []
+    for case in cases:
+        bits, sym, desc_act, group_size = case["bits"], case["sym"], case["desc_act"], case["group_size"]
+        q, z, s, g_idx = case["q"], case["z"], case["s"], case["g_idx"]
+        g = g_idx.long()
+        linear = nn.Linear(q.shape[1], q.shape[0], bias=False)
+        linear.weight.data = (q - z[:, g]).float() * s[:, g].float()
+        packed = TorchLinear(
+            bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, in_features=q.shape[1],
+            out_features=q.shape[0], bias=False, pack_dtype=torch.int32, register_buffers=True,
+            enable_wf_unsqueeze=True,
+        )  # fmt: skip
+        packed.pack_original(linear, s.float(), z.float(), g_idx)
+        v2 = {name: getattr(packed, name).clone() for name in ("qweight", "qzeros", "scales", "g_idx")}
+        config = QuantizeConfig(bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, offload_to_disk=False)
+        convert_gptq_v2_to_v1_format_module(packed, config)
+        v1 = {name: getattr(packed, name).clone() for name in ("qweight", "qzeros", "scales", "g_idx")}
+        convert_gptq_v1_to_v2_format_module(packed, bits, torch.int32)
+        packed.post_init()
+        made.append({"gptq": v1, "gptq_v2": v2, "dequantized": packed.dequantize_weight()})
+    return made
+
+
+if __name__ == "__main__":
+    tool_name, given_path, made_path = sys.argv[1:]
+    run = {"autoawq": _autoawq_cases, "gptqmodel": _gptqmodel_cases}[tool_name]
+    torch.save(run(torch.load(given_path)), made_path)

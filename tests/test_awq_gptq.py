@@ -7,6 +7,10 @@ clear start-up error naming the field for the packings we do not read."""
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+
 import pytest
 import torch
 
@@ -165,6 +169,67 @@ def test_gptq_v1_zero_of_0_borrows_across_fields_and_is_restored() -> None:
     read = gptq.parse(gptq_config(4, 128, False, False, "gptq")).unpack("m", tensors)
     assert_codes(read, codes, zeros, 4)
     assert_bitwise(read.dequantize(), truth)
+
+
+# ---- the tools themselves --------------------------------------------------------------------------------------
+
+
+def run_tool_or_skip(tool: str, cases: list[dict]) -> list[dict]:
+    """The tool installs from the package registry once (testkit.awq_gptq_packing.tool_path); where it cannot,
+    the test fails under CI=true and is skipped elsewhere."""
+    try:
+        tools.tool_path(tool)
+    except subprocess.CalledProcessError as exc:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(f"{tool} could not be installed: {exc}")
+    return tools.run_tool(tool, cases)
+
+
+@pytest.mark.slow
+def test_autoawq_itself_packs_what_we_read_and_its_transcription_packs() -> None:
+    cases = []
+    for group_size in (32, 64, 128):
+        codes, zeros, scales = random_case(200 + group_size, IN // group_size)
+        cases.append(
+            {"q": codes.t().long(), "z": zeros.t().long(), "s": scales.t().contiguous(), "group_size": group_size}
+        )
+    for case, made in zip(cases, run_tool_or_skip("autoawq", cases)):
+        q, z, s, group_size = case["q"], case["z"], case["s"], case["group_size"]
+        gemm = awq.parse({"quant_method": "awq", "group_size": group_size}).unpack("m", made["gemm"])
+        assert_codes(gemm, q.t(), z.t(), 4)
+        # AutoAWQ dequantizes in fp16: one rounding of the exact product, ours in fp32 rounded the same way.
+        assert torch.equal(gemm.dequantize().half(), made["gemm_dequantized"].t())
+        gemv = awq.parse({"quant_method": "awq", "group_size": group_size, "version": "gemv"}).unpack("m", made["gemv"])
+        assert_codes(gemv, q.t(), z.t(), 4)
+        assert torch.equal(gemv.dequantize(), gemm.dequantize())
+        transcribed = (*tools.autoawq_gemm_pack(q.t(), z.t()), *tools.autoawq_gemv_pack(q, z, s, group_size))
+        real = (made["gemm"]["qweight"], made["gemm"]["qzeros"], *made["gemv"].values())
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(transcribed, real, strict=True))
+
+
+@pytest.mark.slow
+def test_gptqmodel_itself_packs_what_we_read_and_its_transcription_packs() -> None:
+    cases = []
+    for bits, sym, desc_act, group_size in itertools.product((4, 8), (True, False), (False, True), (32, 128, -1)):
+        size = IN if group_size == -1 else group_size
+        codes, zeros, scales = random_case(bits + 10 * size + 3 * sym + desc_act, IN // size, bits)
+        if sym:
+            zeros = torch.full_like(zeros, 1 << (bits - 1))
+        g_idx = act_order_g_idx(size, size) if desc_act else (torch.arange(IN) // size).int()
+        cases.append({"bits": bits, "sym": sym, "desc_act": desc_act, "group_size": group_size,
+                      "q": codes.t().long(), "z": zeros.t().long(), "s": scales.t().contiguous(), "g_idx": g_idx})  # fmt: skip
+    for case, made in zip(cases, run_tool_or_skip("gptqmodel", cases)):
+        bits, codes, zeros = case["bits"], case["q"].t(), case["z"].t()
+        for layout in ("gptq", "gptq_v2"):
+            config = gptq_config(bits, case["group_size"], case["desc_act"], case["sym"], layout)
+            read = gptq.parse(config).unpack("m", made[layout])
+            assert_codes(read, codes, zeros, bits)
+            # GPTQModel dequantizes with its fp16 scales: one rounding of the exact product.
+            assert torch.equal(read.dequantize().half(), made["dequantized"].t().half())
+            transcribed = gptq_tensors(codes, zeros, case["s"].t(), case["g_idx"], bits, layout)
+            assert torch.equal(transcribed["qweight"], made[layout]["qweight"])
+            assert torch.equal(transcribed["qzeros"], made[layout]["qzeros"])
 
 
 # ---- which tensors a format claims -----------------------------------------------------------------------------
