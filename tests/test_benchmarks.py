@@ -900,12 +900,14 @@ def test_side_by_side_smoke_against_our_server(tmp_path: Path) -> None:
 
 def test_converter_takes_our_qwen2_tokenizer_as_qwen2_and_nothing_else(tiny_vlm_dir: Path, tmp_path: Path) -> None:
     # Our locally trained Qwen2-VL tokenizer splits with Qwen2's regex: llama.cpp's qwen2 pre-tokenizer.
-    assert peers.uses_qwen2_split(tiny_vlm_dir)
+    from testkit.gguf_makers import uses_qwen2_split
+
+    assert uses_qwen2_split(tiny_vlm_dir)
     other = json.loads((tiny_vlm_dir / "tokenizer.json").read_text())
     other["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
     (tmp_path / "tokenizer.json").write_text(json.dumps(other))
-    assert not peers.uses_qwen2_split(tmp_path)
-    assert not peers.uses_qwen2_split(tmp_path / "missing")
+    assert not uses_qwen2_split(tmp_path)
+    assert not uses_qwen2_split(tmp_path / "missing")
 
 
 def test_llamacpp_tables_put_each_plan_in_its_unit() -> None:

@@ -40,7 +40,7 @@ def run_preprocess_worker(config: ServerConfig, paths: ipc.IpcPaths, index: int)
     init_child(f"vlm-prep-{index}", config.process.log_level, side=True, nice=config.process.side_process_nice)
     from vlm_engine.models.registry import load_config, prompt_processor, resolve_model
 
-    source = resolve_model(config.engine.model.model)
+    source = resolve_model(config.engine.model.model, config.engine.model.mmproj)
     processor = prompt_processor(source, load_config(source), config.engine.media)  # as the in-process Engine's
     publish_decode_tokenizer(processor.tokenizer, paths)  # what the (torch-free) detokenizer waits for
     checker = ConstraintChecker(processor)
