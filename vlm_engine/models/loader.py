@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vlm_engine.models.layers import MergedLinear
+from vlm_engine.models.quant_formats.base import CheckpointFormat, GroupedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,57 @@ def _read_with_safetensors(path: Path, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
+def safetensors_names(model_dir: Path) -> frozenset[str]:
+    """Every tensor name of a safetensors directory, from the index or the files' headers (no data read)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return frozenset(json.loads(index.read_text())["weight_map"])
+    names: set[str] = set()
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            names.update(k for k in json.loads(f.read(header_size)) if k != "__metadata__")
+    return frozenset(names)
+
+
+def grouped_weights(
+    weights: Iterable[tuple[str, torch.Tensor | StoredTensor]], fmt: CheckpointFormat, names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor | StoredTensor | GroupedWeights]]:
+    """A pre-quantized checkpoint's stream with each quantized linear's components (`fmt.components`) gathered
+    into one `(linear + ".weight", GroupedWeights)` as soon as the last of them is read: one linear's codes in
+    memory at a time. A linear is quantized where the checkpoint (`names`) holds all its components; every
+    other tensor passes as stored."""
+    stored = frozenset(names)
+    quantized: dict[str, bool] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        owner = fmt.linear_of(name)
+        if owner is None:
+            yield name, tensor
+            continue
+        linear, component = owner
+        needed = fmt.components(linear)
+        if linear not in quantized:
+            quantized[linear] = all(f"{linear}.{c}" in stored for c in needed)
+        if not quantized[linear] or component not in needed:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(linear, {})
+        parts[component] = tensor.read() if isinstance(tensor, StoredTensor) else tensor
+        del tensor
+        if len(parts) == len(needed):
+            del pending[linear]
+            yield f"{linear}.weight", fmt.unpack(linear, parts)
+            del parts
+    for linear, parts in pending.items():  # a component listed but never streamed: reported as unused
+        yield from ((f"{linear}.{component}", tensor) for component, tensor in parts.items())
+
+
 def load_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor | StoredTensor]],
+    weights: Iterable[tuple[str, torch.Tensor | StoredTensor | GroupedWeights]],
     on_filled: Callable[[str], None] | None = None,
+    on_grouped: Callable[[str, str | None, GroupedWeights], bool] | None = None,
 ) -> list[str]:
     """Copy checkpoint tensors into `model`, filling fused projections shard by shard; returns the
     checkpoint names that went nowhere (logged: the weight-name tests require none).
@@ -98,6 +146,11 @@ def load_weights(
     `on_filled(module_path)` is called for each nn.Linear as soon as all its parameters (every shard
     of a fused one) are filled, unless one of them is tied to another parameter; it may replace the
     module (prepack.LoadTimePacker packs it), and this function then holds no reference to the old one.
+
+    A pre-quantized linear's weight arrives as `GroupedWeights` (`grouped_weights`): `on_grouped(module_path,
+    shard, grouped)` may take it (shard: the checkpoint projection of a fused module, else None) and return True;
+    otherwise it is dequantized into the parameter (fp32 values, then the parameter's dtype). Either way it
+    counts as filled.
 
     Raises if any parameter is left unset, so a naming mismatch can never run on random weights.
     """
@@ -116,11 +169,18 @@ def load_weights(
                 if name.startswith(old):
                     name = new + name[len(old) :]
                     break
-            if adapt is not None:
+            if adapt is not None and isinstance(tensor, GroupedWeights):
+                # A layout change works on plain weights: a quantized linear the family changes (probed on a meta
+                # tensor: adapters hand back what they leave alone) is dequantized first.
+                probe = torch.empty(tensor.shape, device="meta")
+                if adapt(name, probe) is not probe:
+                    tensor = adapt(name, tensor.dequantize())
+            elif adapt is not None:
                 tensor = adapt(name, tensor.read() if isinstance(tensor, StoredTensor) else tensor)
             if name in params:
-                _copy(params[name], tensor, name)
                 entry, module_path = name, name.rpartition(".")[0]
+                take = None if on_grouped is None else functools.partial(on_grouped, module_path, None)
+                _fill(params[name], tensor, name, take)
             else:
                 module_path, _, param_name = name.rpartition(".")
                 target = shard_targets.get(module_path)
@@ -129,7 +189,8 @@ def load_weights(
                     continue
                 fused_name, module, shard = target
                 start, size = module.shards[shard]
-                _copy(getattr(module, param_name).narrow(0, start, size), tensor, name)
+                take = None if on_grouped is None else functools.partial(on_grouped, fused_name, shard)
+                _fill(getattr(module, param_name).narrow(0, start, size), tensor, name, take)
                 entry, module_path = f"{fused_name}.{param_name}:{shard}", fused_name
             loaded.add(entry)
             del tensor
@@ -193,6 +254,22 @@ def _shard_targets(model: nn.Module) -> dict[str, tuple[str, MergedLinear, str]]
             for shard in module.shards:
                 targets[f"{parent}.{shard}"] = (path, module, shard)
     return targets
+
+
+def _fill(
+    dst: torch.Tensor,
+    src: torch.Tensor | StoredTensor | GroupedWeights,
+    name: str,
+    take: Callable[[GroupedWeights], bool] | None,
+) -> None:
+    """Copy `src` into `dst`; a GroupedWeights one goes to `take` first, and is dequantized into dst if not taken."""
+    if not isinstance(src, GroupedWeights):
+        _copy(dst, src, name)
+        return
+    if tuple(dst.shape) != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {src.shape} != model shape {tuple(dst.shape)}")
+    if take is None or not take(src):
+        dst.copy_(src.dequantize())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor | StoredTensor, name: str) -> None:

@@ -44,10 +44,14 @@ from torch import nn
 from vlm_engine.config import QUANTIZATIONS
 from vlm_engine.models.int8_gemm import load_int8_gemm
 from vlm_engine.models.prepack import as_rows, shaped_like
+from vlm_engine.models.quant_formats.base import GroupedWeights
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["QUANTIZATIONS", "QUANTIZED_DTYPES", "Quantization", "QuantizedLinear", "quantize_linears"]
+__all__ = [
+    "QUANTIZATIONS", "QUANTIZED_DTYPES", "InputQuantizedLinear", "Quantization", "QuantizedLinear", "fake_quantize_per_token",
+    "grouped_panels", "quantize_linears",
+]  # fmt: skip
 GROUP = 32  # inputs per scale, as in GGUF's Q8_0 / Q4_1 blocks
 QUANTIZED_DTYPES = (torch.float32, torch.bfloat16)  # the activations the layers take, and return in that dtype
 # The int8 GEMM from here up: with its next-strip prefetch, weights cycling through memory (1 thread,
@@ -63,20 +67,47 @@ WO_MIN_ROWS = 48
 
 
 class QuantizedLinear(nn.Module):
-    """A frozen nn.Linear stored as grouped int8 / int4 codes in the kernel's panel layout."""
+    """A frozen nn.Linear stored as grouped int8 / int4 codes in the kernel's panel layout; with `input_order`
+    (act-order checkpoints) the kernel sees x's columns in that order, so that each group of 32 is contiguous."""
 
     def __init__(self, linear: nn.Linear, bits: int, ops: ModuleType) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.bits = bits
-        self._ops = ops
-        weight = linear.weight.detach().float()
-        self.codes, self.scales = ops.quantize_panels(weight, bits)
-        self.bias = None if linear.bias is None else linear.bias.detach().float().clone()
-        self._rows = _bind_rows(
-            ops.quant_panel_linear, load_int8_gemm(), self.codes, self.scales, linear.out_features, bits, self.bias
-        )
+        codes, scales = ops.quantize_panels(linear.weight.detach().float(), bits)
+        bias = None if linear.bias is None else linear.bias.detach().float().clone()
+        self._bind(linear.in_features, linear.out_features, bits, ops, codes, scales, bias, None)
+
+    @classmethod
+    def from_grouped(
+        cls, grouped: GroupedWeights, ops: ModuleType, bias: torch.Tensor | None = None
+    ) -> QuantizedLinear | None:
+        """A pre-quantized checkpoint's linear straight from its codes (no float weights on the way), or None
+        where our panels cannot hold it (`grouped_panels`)."""
+        panels = grouped_panels(grouped)
+        if panels is None:
+            return None
+        codes, scales, order = panels
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        out, inputs = grouped.shape
+        bias = None if bias is None else bias.detach().float().clone()
+        layer._bind(inputs, out, grouped.bits, ops, codes, scales, bias, order)
+        return layer
+
+    def _bind(
+        self,
+        in_features: int,
+        out_features: int,
+        bits: int,
+        ops: ModuleType,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        input_order: torch.Tensor | None,
+    ) -> None:
+        self.in_features, self.out_features, self.bits, self._ops = in_features, out_features, bits, ops
+        self.codes, self.scales, self.bias, self.input_order = codes, scales, bias, input_order
+        rows = _bind_rows(ops.quant_panel_linear, load_int8_gemm(), codes, scales, out_features, bits, bias)
+        self._rows = rows if input_order is None else _columns_in_order(rows, input_order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype not in QUANTIZED_DTYPES:
@@ -92,10 +123,20 @@ class QuantizedLinear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         """The [out, in] fp32 weights the codes stand for."""
-        return self._ops.dequantize_panels(self.codes, self.scales, self.out_features, self.bits)
+        weight = self._ops.dequantize_panels(self.codes, self.scales, self.out_features, self.bits)
+        if self.input_order is None:
+            return weight
+        return weight.index_select(1, torch.argsort(self.input_order))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int{self.bits}"
+
+
+def _columns_in_order(
+    rows: Callable[[torch.Tensor], torch.Tensor], order: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`rows` on x's columns taken in `order` (the act-order permutation the panels were built in)."""
+    return lambda x: rows(x.index_select(1, order))
 
 
 def _bind_rows(
@@ -198,6 +239,123 @@ def quantize_linears(model: nn.Module, scheme: str, ops: ModuleType, vision: boo
     after = sum(m.codes.numel() + m.scales.numel() * 2 for m in quantized)
     logger.info(
         "quantized %d linear layers (%s weight-only, lm_head%s int8): %.0f -> %.0f MiB",
-        len(quantized), scheme, " and vision encoders" if vision else "", before / 2**20, after / 2**20,
+        len(quantized),
+        scheme,
+        " and vision encoders" if vision else "",
+        before / 2**20,
+        after / 2**20,
     )
     return replaced
+
+
+# ---- pre-quantized checkpoints (quant_formats): their codes in our panels -------------------------------
+PANEL_ROWS = 16  # output rows per panel (csrc/fused_ops.cpp kPanel)
+
+
+def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """A checkpoint's codes as `quantize_panels` lays out its own (codes, scales) plus the input order the
+    kernel must read x in (act-order; None for column order), or None where the panels cannot hold them.
+
+    Our blocks are llama.cpp's: 32 inputs with one fp16 scale d (and for int4 a minimum m), w = d * q (+ m).
+    A group of a multiple of 32 inputs repeats its scale in each block; act-order inputs are sorted by group
+    first (stable), which makes each group contiguous. int4: q in 0..15, unsigned codes q - z -> d = s,
+    m = -s * z (signed codes: z = 8); int8: signed codes, no zero point (Q8_0), or unsigned ones whose zero
+    point is 128 everywhere. d and m are rounded to fp16: fast mode's tolerance.
+    """
+    bits, inputs = grouped.bits, grouped.shape[1]
+    if bits not in (4, 8) or inputs % GROUP:
+        return None
+    codes, groups, order = grouped.codes, grouped.groups(), None
+    if grouped.group_of_input is not None:
+        order = torch.argsort(groups, stable=True)
+        if bool((order == torch.arange(inputs)).all()):
+            order = None
+        else:
+            codes, groups = codes.index_select(1, order), groups[order]
+    blocks = groups.view(-1, GROUP)
+    if not bool((blocks == blocks[:, :1]).all()):
+        return None  # a group boundary inside a block of 32
+    block_group = blocks[:, 0]
+    scale = grouped.scales.float()[:, block_group]
+    offset = 1 << (bits - 1)
+    signed = grouped.zeros is None
+    lowest, highest = (-offset, offset - 1) if signed else (0, (1 << bits) - 1)
+    if int(codes.min()) < lowest or int(codes.max()) > highest:
+        return None
+    zero = None if signed else grouped.zeros.float()[:, block_group]  # type: ignore[union-attr]
+    if bits == 8:
+        if zero is not None and not bool((zero == offset).all()):
+            return None  # Q8_0 has no minimum
+        # Unsigned codes around a zero point of 128 are the signed ones shifted.
+        panel_codes = _int8_panels(codes.to(torch.int8) if signed else (codes.to(torch.int16) - offset).to(torch.int8))
+        minimum = torch.zeros_like(scale)
+    else:
+        # Signed codes + 8 in uint8 arithmetic (wrapping) are the unsigned ones, zero point 8.
+        panel_codes = _int4_panels(codes.to(torch.int8).view(torch.uint8) + offset if signed else codes.to(torch.uint8))
+        minimum = -scale * (offset if zero is None else zero)
+    d, m = scale.half(), minimum.half()
+    if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
+        return None  # beyond fp16's range
+    return panel_codes, _panel_scales(d, m), order
+
+
+def _padded_panels(values: torch.Tensor) -> torch.Tensor:
+    """[out, ...] -> [panels, PANEL_ROWS, ...], zero rows after the last output (as quantize_panels pads)."""
+    out = values.shape[0]
+    panels = -(-out // PANEL_ROWS)
+    padded = values.new_zeros((panels * PANEL_ROWS, *values.shape[1:]))
+    padded[:out] = values
+    return padded.view(panels, PANEL_ROWS, *values.shape[1:])
+
+
+def _int8_panels(codes: torch.Tensor) -> torch.Tensor:
+    """Signed codes [out, in] -> [P][in/4][64]: byte 4c+j of block b is column c's input 4b+j."""
+    panels = _padded_panels(codes.to(torch.int8))  # [P, 16, in]
+    p, _, inputs = panels.shape
+    return (
+        panels.view(p, PANEL_ROWS, inputs // 4, 4)
+        .permute(0, 2, 1, 3)
+        .reshape(p, inputs // 4, 4 * PANEL_ROWS)
+        .contiguous()
+    )
+
+
+def _int4_panels(codes: torch.Tensor) -> torch.Tensor:
+    """Codes 0..15 [out, in] -> [P][in/8][64]: byte 4c+j of block b holds column c's input 8b+j in its low nibble
+    and 8b+4+j in its high one."""
+    panels = _padded_panels(codes.to(torch.uint8))  # [P, 16, in]
+    p, _, inputs = panels.shape
+    eights = panels.view(p, PANEL_ROWS, inputs // 8, 8)
+    packed = eights[..., :4] | (eights[..., 4:] << 4)  # [P, 16, in/8, 4]
+    return packed.permute(0, 2, 1, 3).reshape(p, inputs // 8, 4 * PANEL_ROWS).contiguous()
+
+
+def _panel_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """fp16 d, m [out, in/32] -> int16 bits [P][in/32][2][16] (d, then m)."""
+    both = torch.stack([_padded_panels(d), _padded_panels(m)], dim=2)  # [P, 16, 2, in/32]
+    return both.permute(0, 3, 2, 1).contiguous().view(torch.int16)
+
+
+def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' dynamic per-token symmetric int8 activations, op for op in x's dtype
+    (quantization/lifecycle/forward.py, utils/helpers.py `calculate_qparams`): scale = max(|min|, |max|) / 127.5
+    over each row (min clamped to <= 0, max to >= 0; a zero scale becomes the dtype's eps),
+    q = round(clamp(x / scale, -128, 127)) (half to even), x' = q * scale."""
+    low = torch.clamp(torch.amin(x, dim=-1, keepdim=True), max=0.0)
+    high = torch.clamp(torch.amax(x, dim=-1, keepdim=True), min=0.0)
+    scale = torch.maximum(low.abs(), high.abs()) / 127.5
+    scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
+    return torch.round(torch.clamp(x / scale, -128.0, 127.0)) * scale
+
+
+class InputQuantizedLinear(nn.Linear):
+    """Exact numerics of a W8A8 checkpoint's linear: its weights dequantized (fp32), each row of x rounded to
+    int8 as compressed-tensors does at run time, then the plain product (the format's own reference)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(fake_quantize_per_token(x), self.weight, self.bias)

@@ -18,6 +18,7 @@ from vlm_engine.host_memory import keep_freed_memory
 from vlm_engine.models.build import build_model
 from vlm_engine.models.family import VLModel, text_config_of
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
+from vlm_engine.models.quant_formats import CheckpointFormat, checkpoint_format
 from vlm_engine.models.registry import (
     ModelSource,
     cpu_bf16_weights,
@@ -41,10 +42,13 @@ class WiredModel:
     quantization: str | None  # the target's weight-only quantization
     bf16_weights: bool  # fp32 activations over bf16 weight panels (see registry.cpu_bf16_weights)
     draft_model: VLModel | None = None  # speculative decoding's draft model, when one is configured
+    prequantized: str | None = None  # the checkpoint's own quantization format (compressed-tensors, AWQ, ...)
 
     @property
     def weights(self) -> str:
         """What the linears' weights are, for the log."""
+        if self.prequantized:
+            return f"{self.prequantized} (the checkpoint's own codes)"
         return self.quantization or ("bf16 (fp32 activations)" if self.bf16_weights else "unquantized")
 
 
@@ -53,6 +57,8 @@ def wire_model(config: EngineConfig) -> WiredModel:
     cfg, spec = config.model, config.speculative
     source = resolve_model(cfg.model)
     hf_config = load_config(source)
+    # Before a byte of weights: a format we do not serve, or quantizing a quantized checkpoint again, fails here.
+    prequantized = _prequantized(source, hf_config, cfg.quantization)
     if config.cache.disable_sliding_window:
         attend_fully(hf_config)
     device = default_device(cfg.device)
@@ -68,14 +74,18 @@ def wire_model(config: EngineConfig) -> WiredModel:
     bf16_weights = panel_ops is not None and not cfg.quantization and cpu_bf16_weights(cfg.dtype, dtype, device)
     prepack = fast and cfg.prepack_weights
 
-    def build(checkpoint: ModelSource, checkpoint_config: Any, quantization: str | None) -> VLModel:
-        quant_ops = (fused or load_fused_ops()) if quantization else None
+    def build(
+        checkpoint: ModelSource, checkpoint_config: Any, quantization: str | None, own: CheckpointFormat | None
+    ) -> VLModel:
+        # Fast numerics serve a pre-quantized checkpoint's codes on our int4 / int8 kernels; exact dequantizes them.
+        kernels = bool(quantization) or (own is not None and fast)
+        quant_ops = (fused or load_fused_ops()) if kernels else None
         return build_model(
             checkpoint, checkpoint_config, dtype, device, prepack, panel_ops, quantization, quant_ops, bf16_weights,
-            cfg.weight_layouts, cfg.quantize_vision,
+            cfg.weight_layouts, cfg.quantize_vision, own,
         )  # fmt: skip
 
-    model = build(source, hf_config, cfg.quantization)
+    model = build(source, hf_config, cfg.quantization, prequantized)
     draft = None
     if spec.draft_path is not None:
         # Same dtype and kernels as the target; optionally weight-only quantized, which makes the
@@ -83,8 +93,25 @@ def wire_model(config: EngineConfig) -> WiredModel:
         draft_source = resolve_model(spec.draft_path)
         draft_config = load_config(draft_source)
         _check_vocab(draft_config, hf_config)
-        draft = build(draft_source, draft_config, spec.speculative_draft_quantization)
-    return WiredModel(source, hf_config, device, dtype, model, fused, cfg.quantization, bf16_weights, draft)
+        draft_quantization = spec.speculative_draft_quantization
+        draft_format = _prequantized(draft_source, draft_config, draft_quantization)
+        draft = build(draft_source, draft_config, draft_quantization, draft_format)
+    own = prequantized.name if prequantized is not None else None
+    return WiredModel(source, hf_config, device, dtype, model, fused, cfg.quantization, bf16_weights, draft, own)
+
+
+def _prequantized(source: ModelSource, hf_config: Any, quantization: str | None) -> CheckpointFormat | None:
+    """The checkpoint's own quantization format (raises UnsupportedQuantization for one we do not serve), and a
+    clear error where weight-only quantization is asked of an already quantized checkpoint."""
+    if source.gguf_file is not None:
+        return None
+    own = checkpoint_format(hf_config)
+    if own is not None and quantization:
+        raise ValueError(
+            f"{source.name} is already quantized ({own.name}): quantization {quantization!r} would quantize it "
+            "again; leave it out to serve the checkpoint's own codes"
+        )
+    return own
 
 
 def _check_vocab(draft_config: Any, target_config: Any) -> None:
