@@ -26,6 +26,7 @@ from vlm_engine.models.quant_formats.gptq import PackedLinears, ceil_div, check_
 BITS = 4
 PER_WORD = 32 // BITS
 ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field k of a GEMM word holds output column 8j + ORDER[k]
+FIELD_OF_COLUMN = tuple(ORDER.index(c) for c in range(PER_WORD))  # (0, 4, 1, 5, 2, 6, 3, 7): vLLM's reverse order
 VERSIONS = ("gemm", "gemv")
 COMPONENTS = frozenset({"qweight", "qzeros", "scales"})
 
@@ -87,8 +88,11 @@ class AWQFormat(PackedLinears):
         group_size = self._group_size(in_features)
         groups = in_features // group_size
         check_shapes(linear, tensors, {"qzeros": (groups, out_features // PER_WORD), "scales": (groups, out_features)})
-        codes = unpack_words(qweight, BITS, ORDER).reshape(in_features, out_features).t().contiguous()
-        zeros = unpack_words(qzeros, BITS, ORDER).reshape(groups, out_features).t()
+        field_of_column = torch.tensor(FIELD_OF_COLUMN, device=qweight.device)
+        # [in, word, field] -> [word, column in word, in]: the reorder and the transpose in one copy.
+        fields = unpack_words(qweight, BITS).permute(1, 2, 0)
+        codes = fields.index_select(1, field_of_column).reshape(out_features, in_features)
+        zeros = unpack_words(qzeros, BITS).index_select(2, field_of_column).reshape(groups, out_features).t()
         return grouped_weights(codes, zeros, scales.t(), BITS, group_size)
 
     def _unpack_gemv(self, linear: str, tensors: dict[str, torch.Tensor]) -> GroupedWeights:

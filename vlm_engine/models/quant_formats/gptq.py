@@ -21,6 +21,7 @@ The word unpacking, the naming of packed linears and the symmetric-codes rule he
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,17 +36,18 @@ V1, V2 = "gptq", "gptq_v2"
 ASYMMETRIC_V1_SINCE = (0, 9, 0)
 
 
-def unpack_words(words: torch.Tensor, bits: int, slot_of_field: tuple[int, ...] | None = None) -> torch.Tensor:
-    """int32 (or int64 holding 32-bit words) [..., n] -> uint8 [..., n, 32 // bits]: the field in bits
-    [i * bits, (i + 1) * bits) of each word lands at slot `slot_of_field[i]` (i without it)."""
-    per_word = 32 // bits
-    mask = (1 << bits) - 1
-    fields = torch.empty((*words.shape, per_word), dtype=torch.uint8, device=words.device)
-    # One pass per field position over every word: the temporaries stay the size of `words`.
-    for i in range(per_word):
-        slot = i if slot_of_field is None else slot_of_field[i]
-        fields[..., slot] = (words >> (bits * i)) & mask
-    return fields
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [..., n] -> uint8 [..., n, 32 // bits]: index i holds the field in bits [i * bits, (i + 1) *
+    bits) of each word (4 or 8 bits). Read through the words' bytes (little-endian: byte k holds bits 8k .. 8k +
+    7): a 4-bit field is a nibble, an 8-bit one a byte, so nothing wider than a byte is shifted or copied."""
+    if sys.byteorder != "little" or words.dtype != torch.int32:
+        raise ValueError(f"packed words must be int32 on a little-endian machine, got {words.dtype}")
+    as_bytes = words.contiguous().view(torch.uint8).reshape(*words.shape, 4)
+    if bits == 8:
+        return as_bytes.clone()  # not a view of the checkpoint's words
+    if bits == 4:
+        return torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(*words.shape, 8)
+    raise ValueError(f"{bits}-bit fields are not unpacked here")
 
 
 def grouped_weights(
@@ -178,10 +180,9 @@ class GPTQFormat(PackedLinears):
         check_shapes(linear, tensors, expected)
         # Transposing the packed words (0.5 byte a weight at 4 bits) makes the codes come out [out, in].
         codes = unpack_words(qweight.t().contiguous(), self.bits).reshape(out_features, in_features)
-        words = qzeros.long() & 0xFFFFFFFF
-        if self.zeros_offset:
-            one_per_field = sum(1 << (self.bits * i) for i in range(per_word))
-            words = (words + one_per_field) & 0xFFFFFFFF  # the exporter's whole-word subtraction, undone
+        words = qzeros
+        if self.zeros_offset:  # the exporter's whole-word subtraction undone, as int32 arithmetic wraps
+            words = qzeros + sum(1 << (self.bits * i) for i in range(per_word))  # 0x11111111: fits an int32
         zeros = unpack_words(words, self.bits).reshape(groups, -1)[:, :out_features].t()
         group_of_input = g_idx.long()
         if bool(((group_of_input < 0) | (group_of_input >= groups)).any()):
