@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
+from typing import Any
 
 import pytest
 import torch
@@ -247,25 +248,34 @@ def test_gptq_and_awq_claim_their_components_and_leave_the_rest() -> None:
     assert skipped.linear_of("model.layers.3.mlp.down_proj.qzeros") == ("model.layers.3.mlp.down_proj", "qzeros")
 
 
-def awq_published_checkpoint(
-    release_tensors: list[tuple[str, torch.Tensor]], group_size: int
+def awq_layout(in_features: int, out_features: int, group_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """AutoAWQ's WQLinear_GEMM buffers."""
+    return {"qweight": ((in_features, out_features // 8), torch.int32),
+            "qzeros": ((in_features // group_size, out_features // 8), torch.int32),
+            "scales": ((in_features // group_size, out_features), torch.float16)}  # fmt: skip
+
+
+def gptq_layout(in_features: int, out_features: int, group_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """GPTQModel's 4-bit TorchLinear buffers (g_idx saved act-order or not)."""
+    return {"qweight": ((in_features // 8, out_features), torch.int32),
+            "qzeros": ((in_features // group_size, out_features // 8), torch.int32),
+            "scales": ((in_features // group_size, out_features), torch.float16),
+            "g_idx": ((in_features,), torch.int32)}  # fmt: skip
+
+
+def published_quantized(
+    release_tensors: list[tuple[str, torch.Tensor]], layers: str, layout: Any, group_size: int
 ) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """Qwen2.5-VL-7B-Instruct-AWQ's tensors (name -> meta tensor) and which of them are packed: the released
-    bf16 checkpoint's with each decoder linear's weight replaced as AutoAWQ's WQLinear_GEMM stores it (its bias,
-    the vision tower and lm_head as they are: `modules_to_not_convert: ["visual"]`, and AutoAWQ quantizes the
-    linears of the decoder layers only)."""
+    """A quantized release's tensors (name -> meta tensor) and which of them are packed: the bf16 release's with
+    each decoder linear's weight replaced by the tool's packed buffers (its bias, the vision tower, the
+    embeddings and lm_head as they are: AutoAWQ and GPTQModel quantize the linears of the decoder layers only)."""
     projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
     tensors, packed = {}, set()
     for name, tensor in release_tensors:
         linear = name.removesuffix(".weight")
-        if name.startswith("model.layers.") and linear.endswith(projections) and name.endswith(".weight"):
-            out_features, in_features = tensor.shape
-            for component, shape, dtype in (
-                ("qweight", (in_features, out_features // 8), torch.int32),
-                ("qzeros", (in_features // group_size, out_features // 8), torch.int32),
-                ("scales", (in_features // group_size, out_features), torch.float16),
-            ):
+        if name.startswith(layers) and linear.endswith(projections) and name.endswith(".weight"):
+            for component, (shape, dtype) in layout(tensor.shape[1], tensor.shape[0], group_size).items():
                 tensors[f"{linear}.{component}"] = torch.empty(shape, dtype=dtype, device="meta")
                 packed.add(f"{linear}.{component}")
         else:
@@ -273,12 +283,25 @@ def awq_published_checkpoint(
     return tensors, packed
 
 
+def assert_claims_exactly(fmt: Any, tensors: dict[str, torch.Tensor], packed: set[str], linears: int) -> None:
+    """Every packed tensor is claimed by its linear, nothing else is, and each linear's components are all there."""
+    claimed: dict[str, set[str]] = {}
+    for name in tensors:
+        found = fmt.linear_of(name)
+        if found is not None:
+            claimed.setdefault(found[0], set()).add(found[1])
+    assert {f"{linear}.{c}" for linear, parts in claimed.items() for c in parts} == packed
+    assert len(claimed) == linears
+    assert all(parts == fmt.components(linear) for linear, parts in claimed.items())
+
+
 @pytest.mark.slow
 def test_qwen2_5_vl_7b_awq_published_names_are_claimed_exactly() -> None:
     from tests.released_configs import QWEN2_5_VL_RELEASES, released_checkpoint
 
     release = QWEN2_5_VL_RELEASES["Qwen2.5-VL-7B-Instruct"]
-    tensors, quantized = awq_published_checkpoint(released_checkpoint(release, release.config()), 128)
+    names = released_checkpoint(release, release.config())
+    tensors, packed = published_quantized(names, "model.layers.", awq_layout, 128)
     # The published quantization_config (config.json of Qwen/Qwen2.5-VL-7B-Instruct-AWQ).
     fmt = awq.parse({"bits": 4, "group_size": 128, "modules_to_not_convert": ["visual"], "quant_method": "awq",
                      "version": "gemm", "zero_point": True})  # fmt: skip
@@ -286,20 +309,22 @@ def test_qwen2_5_vl_7b_awq_published_names_are_claimed_exactly() -> None:
     assert tensors["model.layers.0.self_attn.k_proj.qweight"].shape == (3584, 64)
     assert tensors["model.layers.27.mlp.down_proj.qzeros"].shape == (148, 448)
     assert tensors["model.layers.27.mlp.down_proj.scales"].shape == (148, 3584)
-    assert "model.layers.0.self_attn.q_proj.bias" in tensors and "lm_head.weight" in tensors
+    assert "model.layers.0.self_attn.q_proj.bias" in tensors and "visual.blocks.0.mlp.gate_proj.weight" in tensors
+    assert_claims_exactly(fmt, tensors, packed, linears=28 * 7)
 
-    claimed: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        found = fmt.linear_of(name)
-        if found is not None:
-            claimed.setdefault(found[0], {})[found[1]] = tensor
-    assert {f"{linear}.{c}" for linear, parts in claimed.items() for c in parts} == quantized
-    assert len(claimed) == 28 * 7
-    for linear, parts in claimed.items():
-        assert set(parts) == fmt.components(linear)
-        qweight, qzeros, scales = parts["qweight"], parts["qzeros"], parts["scales"]
-        assert qweight.dtype == qzeros.dtype == torch.int32 and scales.dtype == torch.float16
-        assert scales.shape == (qweight.shape[0] // 128, qweight.shape[1] * 8) and qzeros.shape[0] == scales.shape[0]
+
+@pytest.mark.slow
+def test_qwen3_vl_8b_gptq_names_are_claimed_exactly() -> None:
+    """A GPTQModel build of Qwen3-VL-8B-Instruct (4-bit, group 128, act-order), written from the release's config:
+    the decoder's linears as TorchLinear buffers, the vision tower (`model.visual.*`) and lm_head as they are."""
+    from tests.released_configs import QWEN3_VL_RELEASES, released_checkpoint
+
+    release = QWEN3_VL_RELEASES["Qwen3-VL-8B-Instruct"]
+    names = released_checkpoint(release, release.config())
+    tensors, packed = published_quantized(names, "model.language_model.layers.", gptq_layout, 128)
+    assert tensors["model.language_model.layers.35.mlp.down_proj.g_idx"].shape == (12288,)
+    assert "model.visual.blocks.0.mlp.linear_fc1.weight" in tensors and "lm_head.weight" in tensors
+    assert_claims_exactly(gptq.parse(gptq_config(4, 128, True, True, "gptq")), tensors, packed, linears=36 * 7)
 
 
 # ---- what we do not read ---------------------------------------------------------------------------------------
