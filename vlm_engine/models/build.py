@@ -167,7 +167,7 @@ class PreQuantizedLinears:
         with torch.no_grad():
             for shard, part in shards.items():
                 start, size = module.shards[shard] if shard is not None else (0, module.out_features)
-                module.weight.narrow(0, start, size).copy_(part.dequantize())
+                loader.dequantize_into(module.weight.narrow(0, start, size), part)
         self._dequantized[path] = None
         return False
 

@@ -303,6 +303,8 @@ def _padded_panels(values: torch.Tensor) -> torch.Tensor:
     """[out, ...] -> [panels, PANEL_ROWS, ...], zero rows after the last output (as quantize_panels pads)."""
     out = values.shape[0]
     panels = -(-out // PANEL_ROWS)
+    if out == panels * PANEL_ROWS:  # no partial panel: a view, not a copy of the codes
+        return values.view(panels, PANEL_ROWS, *values.shape[1:])
     padded = values.new_zeros((panels * PANEL_ROWS, *values.shape[1:]))
     padded[:out] = values
     return padded.view(panels, PANEL_ROWS, *values.shape[1:])

@@ -17,6 +17,7 @@ when it was written); the scheme of a linear is that of the config group whose `
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,14 +149,20 @@ class CompressedTensorsFormat:
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    """compressed-tensors' `unpack_from_int32` for bits dividing 32: int8 codes [rows, columns], signed."""
-    if packed.dtype != torch.int32:
-        raise ValueError(f"packed weights must be int32, got {packed.dtype}")
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
-    fields = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    unsigned = fields.reshape(packed.shape[0], -1)[:, :columns]
-    return (unsigned - (1 << (bits - 1))).to(torch.int8)
+    """compressed-tensors' `unpack_from_int32` for 4 and 8 bits: int8 codes [rows, columns], signed. Read through
+    the words' bytes (little-endian: element i of a word sits in byte i * bits // 8), so that no temporary is wider
+    than a byte per code (a 7B MLP linear's codes are 68M)."""
+    if packed.dtype != torch.int32 or sys.byteorder != "little":
+        raise ValueError(f"packed weights must be int32 on a little-endian machine, got {packed.dtype}")
+    as_bytes = packed.contiguous().view(torch.uint8)  # [rows, words * 4]
+    if bits == 4:
+        unsigned = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(packed.shape[0], -1)
+    elif bits == 8:
+        unsigned = as_bytes
+    else:
+        raise ValueError(f"{bits}-bit codes are not unpacked here")
+    # The stored codes are offset by 2**(bits-1): subtracting it in uint8 arithmetic wraps onto the signed bytes.
+    return (unsigned[:, :columns] - (1 << (bits - 1))).view(torch.int8)
 
 
 def _per_output(values: torch.Tensor, out: int, name: str) -> torch.Tensor:
