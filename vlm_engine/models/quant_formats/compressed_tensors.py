@@ -198,9 +198,7 @@ def parse(config: dict[str, Any]) -> CompressedTensorsFormat:
 
 def _scheme(name: str, group: dict[str, Any], top_format: str | None) -> Scheme:
     where = f"compressed-tensors scheme {name!r}"
-    fmt = group.get("format") or top_format
-    if fmt not in FORMATS:
-        raise UnsupportedQuantization(f"{where}: format {fmt!r} is not supported: {SUPPORTED} are")
+    # The weights' type before the format: it names what the user has (fp8, fp4) better than the format it implies.
     weights = group.get("weights")
     if not weights:
         raise UnsupportedQuantization(f"{where}: no weights scheme (activation-only quantization) is not supported")
@@ -210,6 +208,9 @@ def _scheme(name: str, group: dict[str, Any], top_format: str | None) -> Scheme:
         raise UnsupportedQuantization(
             f"{where}: weights.type {kind!r}, num_bits {bits}{label} is not supported: {SUPPORTED} are"
         )
+    fmt = group.get("format") or top_format
+    if fmt not in FORMATS:
+        raise UnsupportedQuantization(f"{where}: format {fmt!r} is not supported: {SUPPORTED} are")
     if fmt == "pack-quantized" and group.get("input_activations"):
         raise UnsupportedQuantization(
             f"{where}: pack-quantized with input_activations is not supported: {SUPPORTED} are"
