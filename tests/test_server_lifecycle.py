@@ -203,6 +203,29 @@ def _wait_inflight(srv: ServerProcess, n: int) -> None:
         time.sleep(0.02)
 
 
+def test_a_refused_checkpoint_stops_start_up_with_one_line_naming_why(tiny_vlm_dir: Path, tmp_path: Path) -> None:
+    """An fp8 checkpoint (a format we do not serve) ends start-up with the reason, no traceback, status != 0."""
+    model = tmp_path / "fp8"
+    model.mkdir()
+    for item in tiny_vlm_dir.iterdir():
+        (model / item.name).symlink_to(item)
+    config = json.loads((tiny_vlm_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (model / "config.json").unlink()
+    (model / "config.json").write_text(json.dumps(config))
+    srv = ServerProcess(model, tmp_path / "server.log", *SMALL_SERVER)
+    try:
+        srv.proc.wait(120)
+    finally:
+        if srv.proc.poll() is None:
+            srv.kill_all()
+    log = (tmp_path / "server.log").read_text()
+    assert srv.proc.returncode not in (0, None)
+    assert "could not start" in log and "fp8" in log, log[-2000:]
+    assert "Traceback" not in log, log[-4000:]
+    assert srv.leftover_children() == []
+
+
 @pytest.mark.parametrize("victim", ["engine-core", "detokenizer"])
 def test_child_death_fails_inflight_and_exits_nonzero(tiny_vlm_dir: Path, tmp_path: Path, victim: str) -> None:
     srv = _start(tiny_vlm_dir, tmp_path)

@@ -55,7 +55,7 @@ class WiredModel:
 def wire_model(config: EngineConfig) -> WiredModel:
     """Load the target model (and the draft model, if any) as `config` asks."""
     cfg, spec = config.model, config.speculative
-    source = resolve_model(cfg.model)
+    source = resolve_model(cfg.model, cfg.mmproj)
     hf_config = load_config(source)
     # Before a byte of weights: a format we do not serve, or quantizing a quantized checkpoint again, fails here.
     prequantized = _prequantized(source, hf_config, cfg.quantization)

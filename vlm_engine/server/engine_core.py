@@ -29,7 +29,7 @@ from vlm_engine.metrics.profiler import TorchProfiler
 from vlm_engine.sampling_params import SamplingParams
 from vlm_engine.scheduler import RequestRejected
 from vlm_engine.server.config import ServerConfig
-from vlm_engine.server.procs import init_child, serve_forever
+from vlm_engine.server.procs import exit_child, init_child, serve_forever
 from vlm_engine.structured.spec import StructuredOutputError
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,14 @@ _IDLE_POLL_MS = 500  # idle wake-up period, to notice a dead parent
 def run_engine_core(config: ServerConfig, paths: ipc.IpcPaths) -> None:
     """Child-process entry point."""
     init_child("vlm-core", config.process.log_level, side=False)
-    core = EngineCore(config, paths)
+    try:
+        core = EngineCore(config, paths)
+    except (ValueError, FileNotFoundError) as exc:
+        # A checkpoint or an option the engine refuses (an unsupported quantization format, a missing file, an
+        # option that does not fit the model) is the user's to fix: one line saying what, not a traceback.
+        logger.error("could not start: %s", exc)
+        logger.debug("start-up failure", exc_info=True)
+        exit_child(2)
     serve_forever("engine core", core.run, core.close)
 
 
