@@ -222,3 +222,34 @@ def test_an_mmproj_of_another_family_is_refused_at_start() -> None:
     with pytest.raises(ValueError, match="qwen3vl text takes qwen3vl_merger"):
         registry.load_config(registry.resolve_model(str(qwen3), str(gguf_makers.mmproj_file(directory))))
     assert gguf_vlm.is_mmproj(smolvlm) and not gguf_vlm.is_mmproj(text)
+
+
+def test_served_from_model_and_mmproj_files_answers_an_image_as_the_engine(tmp_path: Path) -> None:
+    """`serve --model TEXT.gguf --mmproj MMPROJ.gguf`: the preprocess workers and the engine core both take the
+    pair (the workers expand the image into the tower's placeholders, the core runs the tower)."""
+    import base64
+    import io
+
+    import httpx
+
+    from tests.server_helpers import ServerProcess, running
+
+    directory = gguf_makers.gguf_vlm_dir("qwen2.5-vl")
+    text, mmproj = gguf_makers.text_file(directory), gguf_makers.mmproj_file(directory)
+    image = make_image(97, 61, 1)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    url = f"data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}"
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is in this picture?"}]
+    srv = ServerProcess(text, tmp_path / "server.log", "--mmproj", str(mmproj), "--numerics", "exact")
+    with running(srv):
+        body = {"model": str(text), "messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS,
+                "temperature": 0.0}  # fmt: skip
+        reply = httpx.post(srv.base_url + "/chat/completions", json=body, timeout=120.0)
+    assert reply.status_code == 200, reply.text
+    usage = reply.json()["usage"]
+    engine = exact_engine(str(directory))
+    conversation = user(image, "What is in this picture?")
+    want = engine.chat([conversation], GREEDY)[0]
+    assert usage["prompt_tokens"] == len(engine.process_messages(conversation).token_ids)
+    assert reply.json()["choices"][0]["message"]["content"] == want.text
