@@ -240,7 +240,7 @@ def run_tool(tool: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         path = os.pathsep.join([str(tool_path(tool)), str(Path(__file__).parents[1])])
         env = {**os.environ, "PYTHONPATH": path, "TMPDIR": scratch}  # what the tool leaves in tmp goes with scratch
         command = [sys.executable, "-m", "testkit.awq_gptq_packing", tool, str(given), str(made)]
-        subprocess.run(command, check=True, env=env)
+        subprocess.run(command, check=True, env=env, cwd=scratch)  # GPTQModel writes a logs/ folder where it runs
         return torch.load(made)
 
 

@@ -23,6 +23,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,8 +150,9 @@ def make_quantized(base: Path, recipe: Recipe, out: Path) -> Path:
            **dict(side.env)}  # fmt: skip
     args = json.dumps({**dataclasses.asdict(recipe), "reference": REFERENCE})
     before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    run = subprocess.run([str(python), str(script), str(base), str(out), args],
-                         check=False, env=env, capture_output=True, text=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:  # GPTQModel writes a logs/ folder where it runs
+        run = subprocess.run([str(python), str(script), str(base), str(out), args],
+                             check=False, env=env, capture_output=True, text=True, cwd=scratch)  # fmt: skip
     if run.returncode != 0:  # the tool's own traceback says what it refused
         raise RuntimeError(f"{side.name} {recipe} failed ({run.returncode}):\n{run.stderr[-4000:]}")
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic() - start
