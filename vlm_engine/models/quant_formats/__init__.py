@@ -73,15 +73,7 @@ def checkpoint_format(hf_config: Any) -> CheckpointFormat | None:
             f"quantization_config.quant_method {method or None!r} ({what}) is not supported: "
             f"served are {', '.join(sorted(READERS))}"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise UnsupportedQuantization(
-            f"quantization_config.quant_method {method!r}: this build has no reader for it yet"
-        ) from None
-    return module.parse(config)
+    return importlib.import_module(module_name).parse(config)
 
 
 def _text_config(hf_config: Any) -> Any:
