@@ -57,13 +57,14 @@ def source_checkpoint(family: str) -> Path:
     attention windows; the released processors' pixel budget) and a 256-wide text model, so that every
     decoder matrix has rows of whole 256-value K-quant super-blocks (narrower rows fall back to other types).
     qwen2-vl: the "tiny" checkpoint as the other tests use it (a 2-block tower); qwen3-vl: "tiny" with the released
-    processor's pixel budget; smolvlm: "tiny", for its mmproj only (another family's tower).
+    processor's pixel budget; smolvlm: "tiny" (SmolVLM2: a llama text file and an idefics3 mmproj; its
+    processor's resize edge and 64-px tiles are what the mmproj stores and llama.cpp assumes).
     """
     from testkit import checkpoints, qwen_vl_checkpoints, smolvlm_checkpoints
 
     if family == "qwen2-vl":
         return checkpoints.cached_qwen2_vl("tiny")
-    if family == "smolvlm":  # only its mmproj: another family's vision tower
+    if family == "smolvlm":
         return smolvlm_checkpoints.cached_smolvlm("tiny")
     if family == "qwen3-vl":  # the "tiny" preset with the released processor's pixel budget
         preset = {**qwen_vl_checkpoints.QWEN3_VL_PRESETS["tiny"], "pixels": (65536, 16777216)}

@@ -1,16 +1,18 @@
 """GGUF VLMs: llama.cpp's text GGUF plus its mmproj GGUF (the vision tower and projector), served by our
-Qwen2-VL, Qwen2.5-VL and Qwen3-VL families as if they were the Hugging Face checkpoint the converter read.
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL and SmolVLM families as if they were the Hugging Face checkpoint the converter read.
 
 Three things are recovered from the two files, each by undoing what llama.cpp's converter
-(`convert_hf_to_gguf.py`, `conversion/qwenvl.py`, `conversion/qwen3vl.py`) did:
+(`convert_hf_to_gguf.py`, `conversion/qwenvl.py`, `conversion/qwen3vl.py`, `conversion/smolvlm.py` with
+`conversion/llama.py` for SmolVLM's text) did:
 
 - the config: the text file's `qwen2vl.*` / `qwen3vl.*` keys and the mmproj's `clip.vision.*` keys -> a
   Transformers `Qwen2VLConfig` / `Qwen2_5_VLConfig` / `Qwen3VLConfig` (`vlm_config`); a qwen2vl text file
   without its mmproj is served as the text model alone (`Qwen2ForCausalLM`: M-RoPE with its three axes
-  equal is 1-D RoPE);
+  equal is 1-D RoPE); SmolVLM: the `llama.*` keys and the mmproj's `idefics3` keys -> a `SmolVLMConfig`;
 - the weights: gguf-py's own HF -> GGUF name map, inverted on the names the Transformers model has, with
   the converter's own steps read backwards (`_vision_target`: Qwen2's q/k/v merged into `qkv`, the patch
-  embedding's two temporal halves into one Conv3D, Qwen3-VL's renumbered DeepStack mergers), each tensor
+  embedding's two temporal halves into one Conv3D, Qwen3-VL's renumbered DeepStack mergers, the llama
+  text's q/k rows permuted for llama.cpp's RoPE), each tensor
   dequantized to fp32 on its own (`iter_weights`; quantized linears are then re-quantized by our own
   int8/int4 path when asked: the GGUF's K-quant codes are not kept);
 - the prompt side: the tokenizer and chat template from the text file's `tokenizer.*` keys, the image
@@ -18,11 +20,17 @@ Three things are recovered from the two files, each by undoing what llama.cpp's 
   that the family's own prompt code loads.
 
 What the files do not hold is taken as the released models and llama.cpp take it (`_NOT_STORED`,
-`_PIXELS`); anything else missing is an error naming the key, raised before a weight is read.
+`_PIXELS`, `_SMOLVLM_NOT_STORED`); anything else missing is an error naming the key, raised before a weight
+is read.
+
+A SmolVLM text file is a `llama` GGUF like any other: it is told apart by its vocabulary (SmolVLM's image
+tokens, `_SMOLVLM_TOKENS`); served without its mmproj it is the plain llama text model (loader.py's config
+and weights, the tokenizer rebuilt here).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,19 +46,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_engine.models.loader import gguf_field, gguf_reader
+from vlm_engine.models.loader import _unpermute_rope_rows, gguf_field, gguf_llama_config, gguf_reader, iter_gguf
 
 logger = logging.getLogger(__name__)
 
 CLIP_ARCHITECTURE = "clip"  # general.architecture of every mmproj file
 # A text GGUF's general.architecture -> the projector types (clip.projector_type) of its mmproj: llama.cpp
 # writes Qwen2-VL's and Qwen2.5-VL's decoder as "qwen2vl", Qwen3-VL's as "qwen3vl".
-TEXT_ARCHITECTURES = {"qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"), "qwen3vl": ("qwen3vl_merger",)}
-QWEN2_VL, QWEN2_5_VL, QWEN3_VL = (
+# SmolVLM's text is SmolLM2, written as "llama" (a llama file is ours only when it is SmolVLM's: `serves`).
+TEXT_ARCHITECTURES = {
+    "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"), "qwen3vl": ("qwen3vl_merger",), "llama": ("idefics3",),
+}  # fmt: skip
+QWEN2_VL, QWEN2_5_VL, QWEN3_VL, SMOLVLM = (
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+    "SmolVLMForConditionalGeneration",
 )  # fmt: skip
-# clip.projector_type -> the architecture whose vision tower and merger the mmproj holds
-PROJECTORS = {"qwen2vl_merger": QWEN2_VL, "qwen2.5vl_merger": QWEN2_5_VL, "qwen3vl_merger": QWEN3_VL}
+# clip.projector_type -> the architecture whose vision tower and merger the mmproj holds. "idefics3" is
+# SmolVLM v1 (Idefics3) and SmolVLM2 alike; the files do not tell them apart: served as SmolVLM2, whose
+# processor and model take v1's images too.
+PROJECTORS = {
+    "qwen2vl_merger": QWEN2_VL, "qwen2.5vl_merger": QWEN2_5_VL, "qwen3vl_merger": QWEN3_VL, "idefics3": SMOLVLM,
+}  # fmt: skip
 
 # Values neither file stores, as the released checkpoints (and llama.cpp's clip.cpp) have them.
 _NOT_STORED = {
@@ -61,6 +77,13 @@ _NOT_STORED = {
 }
 # The released processors' pixel budget (their preprocessor_config.json `size`): (shortest, longest edge)
 _PIXELS = {QWEN2_VL: (56 * 56, 28 * 28 * 16384), QWEN2_5_VL: (56 * 56, 28 * 28 * 16384), QWEN3_VL: (65536, 16777216)}
+# SmolVLM's processor values neither file stores, as llama.cpp's clip.cpp and the released SmolVLM2
+# processors take them: tiles of the tower's image_size (clip.cpp slices by it; max_image_size), image
+# splitting on (clip.cpp always slices idefics3 images), video frames of one tile at 1 fps, at most 64
+# (SmolVLM2's video_processor; llama.cpp has no video). The resize filter is Transformers' LANCZOS default.
+_SMOLVLM_NOT_STORED = {"do_image_splitting": True, "video_fps": 1, "video_frames": 64}
+# The vocabulary that marks a llama text GGUF as SmolVLM's, and which its processor needs.
+_SMOLVLM_TOKENS = ("<fake_token_around_image>", "<image>", "<global-img>")
 _MEDIA_TOKENS = {
     "image_token_id": "<|image_pad|>",
     "video_token_id": "<|video_pad|>",
@@ -69,7 +92,7 @@ _MEDIA_TOKENS = {
 }
 # Our (Transformers') parameter names -> the names on disk, which the converter read and gguf-py maps.
 _DISK_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
-_PROCESSOR_VERSION = 2  # bump when processor_directory writes other files
+_PROCESSOR_VERSION = 4  # bump when processor_directory writes other files
 
 
 def gguf_architecture(path: Path) -> str:
@@ -93,8 +116,19 @@ def is_mmproj(path: Path) -> bool:
 
 
 def serves(path: Path) -> bool:
-    """Whether a text GGUF is one of this module's (the llama ones stay with loader.py)."""
-    return gguf_architecture(path) in TEXT_ARCHITECTURES
+    """Whether a text GGUF is one of this module's: a llama one only when it is SmolVLM's text (other
+    llama files stay with loader.py)."""
+    architecture = gguf_architecture(path)
+    if architecture == "llama":
+        return _is_smolvlm_text(path, path.stat().st_mtime_ns)
+    return architecture in TEXT_ARCHITECTURES
+
+
+@functools.lru_cache(maxsize=8)
+def _is_smolvlm_text(path: Path, mtime_ns: int) -> bool:
+    """The vocabulary holds SmolVLM's image tokens (cached: it is asked per property access)."""
+    tokens = set(gguf_field(gguf_reader(path), "tokenizer.ggml.tokens", []))  # type: ignore[arg-type]
+    return all(token in tokens for token in _SMOLVLM_TOKENS)
 
 
 def find_mmproj(directory: Path) -> tuple[Path | None, list[Path]]:
@@ -124,6 +158,8 @@ def vlm_config(text: Path, mmproj: Path | None) -> Any:
         raise ValueError(
             f"{text.name}: GGUF architecture {arch!r} is not a VLM's text model ({', '.join(TEXT_ARCHITECTURES)})"
         )
+    if mmproj is None and arch == "llama":  # SmolVLM's text alone: a llama model as loader.py serves it
+        return gguf_llama_config(text)
     text_config = _text_config(reader, text, str(arch))
     if mmproj is None:
         from transformers import Qwen2Config
@@ -135,6 +171,8 @@ def vlm_config(text: Path, mmproj: Path | None) -> Any:
         return Qwen2Config(**text_config, architectures=["Qwen2ForCausalLM"])
     clip = gguf_reader(mmproj)
     architecture = _projector_architecture(clip, mmproj, text, str(arch))
+    if architecture == SMOLVLM:
+        return _smolvlm_config(text_config, reader, text, clip, mmproj)
     projection = int(_required(clip, mmproj, "clip.vision.projection_dim"))
     if projection != text_config["hidden_size"]:
         raise ValueError(
@@ -167,11 +205,23 @@ def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
 
     names = {t.name for t in reader.tensors}
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    sections = [int(s) for s in key("rope.dimension_sections")][:3]  # the converter pads M-RoPE's 3 to 4
     heads = int(key("attention.head_count"))
-    qwen3 = {"head_dim": int(key("attention.key_length"))} if arch == "qwen3vl" else {}  # explicit, not hidden / heads
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _float(key("rope.freq_base"))}
+    if arch == "llama":
+        scaling = gguf_field(reader, "llama.rope.scaling.type", "none")
+        if scaling != "none":
+            raise ValueError(f"{path.name}: RoPE scaling {scaling!r} (llama.rope.scaling.type) is not served")
+        extra: dict[str, Any] = {  # older converters write key_length only where it is not hidden / heads
+            "head_dim": int(gguf_field(reader, "llama.attention.key_length", int(key("embedding_length")) // heads)),
+            "attention_bias": "blk.0.attn_q.bias" in names,
+        }
+    else:
+        rope["mrope_section"] = [int(s) for s in key("rope.dimension_sections")][:3]  # the converter pads 3 to 4
+        extra = {"head_dim": int(key("attention.key_length"))} if arch == "qwen3vl" else {}  # not hidden / heads
+        if arch == "qwen3vl":
+            rope["mrope_interleaved"] = True  # Qwen3-VL interleaves the sections (t, h, w, t, ...)
     return {
-        **qwen3,
+        **extra,
         "vocab_size": int(embedding.shape[-1]),  # rows the embedding has (the vocabulary may list fewer)
         "hidden_size": int(key("embedding_length")),
         "intermediate_size": int(key("feed_forward_length")),
@@ -181,12 +231,7 @@ def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": _float(key("attention.layer_norm_rms_epsilon")),
         "hidden_act": "silu",
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": _float(key("rope.freq_base")),
-            "mrope_section": sections,
-            **({"mrope_interleaved": True} if qwen3 else {}),  # Qwen3-VL interleaves the sections (t, h, w, t, ...)
-        },
+        "rope_parameters": rope,
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
@@ -223,6 +268,47 @@ def _vision_common(clip: Any, mmproj: Path) -> dict[str, Any]:
         "temporal_patch_size": _NOT_STORED["temporal_patch_size"],
         "in_channels": 3,
     }
+
+
+def _smolvlm_config(text_config: dict[str, Any], reader: Any, text: Path, clip: Any, mmproj: Path) -> Any:
+    """A SmolVLMConfig: conversion/smolvlm.py writes the SigLIP tower's sizes, its LayerNorm eps and the
+    connector's pixel-shuffle scale; the connector's one linear says the widths it joins."""
+    from transformers import SmolVLMConfig
+
+    tokens = list(_required(reader, text, "tokenizer.ggml.tokens"))
+    missing = [t for t in _SMOLVLM_TOKENS if t not in tokens]
+    if missing:
+        raise ValueError(f"{text.name}: the vocabulary has no {', '.join(missing)} (tokenizer.ggml.tokens)")
+    if not gguf_field(clip, "clip.use_gelu", False):  # clip.cpp's other choice, quick GELU, is not SigLIP's
+        raise ValueError(f"{mmproj.name}: clip.use_gelu is not set: not SigLIP's tanh GELU")
+    width = int(_required(clip, mmproj, "clip.vision.embedding_length"))
+    scale = int(_required(clip, mmproj, "clip.vision.projector.scale_factor"))
+    projection = next((t for t in clip.tensors if t.name == "mm.model.fc.weight"), None)
+    if projection is None:
+        raise ValueError(f"{mmproj.name}: no tensor mm.model.fc.weight (the connector's projection)")
+    inputs, outputs = (int(n) for n in projection.shape[:2])  # GGUF order: columns first
+    if inputs != width * scale * scale:
+        raise ValueError(f"{mmproj.name}: the connector takes {inputs} values, not {width} x {scale}^2")
+    if outputs != text_config["hidden_size"]:
+        raise ValueError(
+            f"{mmproj.name} projects to width {outputs}, {text.name} is {text_config['hidden_size']} wide: "
+            "they are not one model's pair"
+        )
+    vision = {
+        "hidden_size": width,
+        "intermediate_size": int(_required(clip, mmproj, "clip.vision.feed_forward_length")),
+        "num_hidden_layers": int(_required(clip, mmproj, "clip.vision.block_count")),
+        "num_attention_heads": int(_required(clip, mmproj, "clip.vision.attention.head_count")),
+        "image_size": int(_required(clip, mmproj, "clip.vision.image_size")),
+        "patch_size": int(_required(clip, mmproj, "clip.vision.patch_size")),
+        "layer_norm_eps": _float(_required(clip, mmproj, "clip.vision.attention.layer_norm_epsilon")),
+        "hidden_act": "gelu_pytorch_tanh",  # clip.use_gelu: ggml's GELU is the tanh form
+        "num_channels": 3,
+    }
+    return SmolVLMConfig(
+        text_config=text_config, vision_config=vision, scale_factor=scale, image_token_id=tokens.index("<image>"),
+        tie_word_embeddings=text_config["tie_word_embeddings"], architectures=[SMOLVLM],
+    )  # fmt: skip
 
 
 def _qwen2_vl_vision(clip: Any, mmproj: Path) -> dict[str, Any]:
@@ -285,6 +371,7 @@ class _Target:
     parts: tuple[str, ...]
     axis: int = 0
     stack: bool = False
+    rope_heads: int = 0  # llama.cpp permuted the rows for its RoPE, per head of this many: undone
 
 
 def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
@@ -305,8 +392,10 @@ def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
     for name in names:
         if name.startswith("visual."):
             target = _vision_target(name, config, vision_map)
+        elif name.startswith(_SMOLVLM_VISION):  # gguf-py maps Idefics3's tower and connector names as they are
+            target = _Target(name, (vision_map.get_name(name, _SUFFIXES),))  # type: ignore[arg-type]
         else:
-            target = _Target(name, (text_map.get_name(name, _SUFFIXES),))  # type: ignore[arg-type]
+            target = _text_target(name, text_arch, text_config, text_map)
         if None in target.parts:
             raise ValueError(f"no GGUF name for checkpoint tensor {name} in gguf-py's map")
         targets.update(dict.fromkeys(target.parts, target))
@@ -314,6 +403,18 @@ def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
 
 
 _SUFFIXES = (".weight", ".bias")
+_SMOLVLM_VISION = ("model.vision_model.", "model.connector.")
+
+
+def _text_target(name: str, text_arch: str, text_config: Any, text_map: Any) -> _Target:
+    if text_arch != "llama":
+        return _Target(name, (text_map.get_name(name, _SUFFIXES),))
+    # conversion/llama.py: SmolVLM's `text_model.` dropped, q/k rows (weights and biases) permuted per head
+    # (LlamaModel.permute; k by the KV heads)
+    disk = name.replace("model.text_model.", "model.")
+    heads = {".q_proj.": text_config.num_attention_heads, ".k_proj.": text_config.num_key_value_heads}
+    rope_heads = next((n for part, n in heads.items() if part in name), 0)
+    return _Target(name, (text_map.get_name(disk, _SUFFIXES),), rope_heads=rope_heads)
 
 
 def _vision_target(name: str, config: Any, vision_map: Any) -> _Target:
@@ -360,6 +461,9 @@ def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple
     converter split is yielded once all its parts were read (they lie next to each other in the file)."""
     from gguf.quants import dequantize
 
+    if mmproj is None and gguf_architecture(text) == "llama":  # SmolVLM's text alone
+        yield from iter_gguf(text, config)
+        return
     targets = checkpoint_targets(config, gguf_architecture(text))
     pending: dict[str, dict[str, np.ndarray]] = {}
     for path in (text, mmproj) if mmproj is not None else (text,):
@@ -368,6 +472,8 @@ def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            if target.rope_heads:
+                array = _unpermute_rope_rows(array, target.rope_heads)
             if len(target.parts) == 1:
                 yield target.name, torch.from_numpy(np.array(array, copy=True))
                 continue
@@ -428,7 +534,36 @@ def gguf_tokenizer(text: Path) -> Any:
     options = {k: v for k, v in {**tokenizer_config, **extra}.items() if v is not None}
     if "chat_template" not in options:
         raise ValueError(f"{text.name}: no chat template (tokenizer.chat_template)")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **options)
+    return PreTrainedTokenizerFast(tokenizer_object=_with_user_defined_tokens(backend, text), **options)
+
+
+def _with_user_defined_tokens(backend: Any, text: Path) -> Any:
+    """The vocabulary's USER_DEFINED tokens (a checkpoint's non-special added tokens, such as the double newline in our
+    SmolVLM test vocabulary) as added tokens under their own ids: llama.cpp, like the checkpoint's tokenizer,
+    matches them whole before BPE; Transformers' conversion leaves them to BPE (under their byte-level
+    spelling, which BPE's merges never reach). The vocabulary entry takes the token's own text, so that the
+    added token keeps its id."""
+    from gguf import TokenType
+    from tokenizers import Tokenizer
+
+    reader = gguf_reader(text)
+    tokens = list(_required(reader, text, "tokenizer.ggml.tokens"))
+    types = list(gguf_field(reader, "tokenizer.ggml.token_type", []))  # type: ignore[call-overload]
+    user_defined = [(i, tokens[i]) for i, kind in enumerate(types) if kind == TokenType.USER_DEFINED]
+    if not user_defined:
+        return backend
+    state = json.loads(backend.to_str())
+    vocabulary, present = state["model"]["vocab"], {t["content"] for t in state["added_tokens"]}
+    for index, token in user_defined:
+        if token in present:
+            continue
+        vocabulary.pop(backend.id_to_token(index), None)
+        vocabulary[token] = index
+        state["added_tokens"].append(
+            {"id": index, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": False}
+        )  # fmt: skip
+    return Tokenizer.from_str(json.dumps(state))
 
 
 def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) -> None:
@@ -441,6 +576,9 @@ def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) ->
 
     clip = gguf_reader(mmproj)
     vision, (architecture,) = config.vision_config, config.architectures
+    if architecture == SMOLVLM:
+        _smolvlm_processor(tokenizer, clip, mmproj, config).save_pretrained(str(out))
+        return
     shortest, longest = _PIXELS[architecture]
     pixels = {
         "shortest_edge": int(gguf_field(clip, "clip.vision.image_min_pixels", shortest)),
@@ -463,3 +601,29 @@ def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) ->
         tokenizer=tokenizer, chat_template=tokenizer.chat_template,
     )  # fmt: skip
     processor.save_pretrained(str(out))
+
+
+def _smolvlm_processor(tokenizer: Any, clip: Any, mmproj: Path, config: Any) -> Any:
+    """SmolVLMProcessor with the mmproj's resize edge (clip.vision.preproc_image_size: the released
+    processor's size.longest_edge), tiles of the tower's image size, and `_SMOLVLM_NOT_STORED`."""
+    import transformers
+
+    tile = int(config.vision_config.image_size)
+    common = {
+        "image_mean": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_mean")],
+        "image_std": [_float(v) for v in _required(clip, mmproj, "clip.vision.image_std")],
+        "max_image_size": {"longest_edge": tile},
+    }
+    image_processor = transformers.SmolVLMImageProcessor(
+        size={"longest_edge": int(_required(clip, mmproj, "clip.vision.preproc_image_size"))},
+        do_image_splitting=_SMOLVLM_NOT_STORED["do_image_splitting"], **common,
+    )  # fmt: skip
+    video_processor = transformers.SmolVLMVideoProcessor(
+        size={"longest_edge": tile}, fps=_SMOLVLM_NOT_STORED["video_fps"],
+        num_frames=_SMOLVLM_NOT_STORED["video_frames"], **common,
+    )  # fmt: skip
+    patches = tile // int(config.vision_config.patch_size)
+    return transformers.SmolVLMProcessor(
+        image_processor=image_processor, video_processor=video_processor, tokenizer=tokenizer,
+        image_seq_len=patches * patches // int(config.scale_factor) ** 2, chat_template=tokenizer.chat_template,
+    )  # fmt: skip
