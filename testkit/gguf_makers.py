@@ -58,14 +58,15 @@ def source_checkpoint(family: str) -> Path:
     decoder matrix has rows of whole 256-value K-quant super-blocks (narrower rows fall back to other types).
     qwen2-vl: the "tiny" checkpoint as the other tests use it (a 2-block tower); qwen3-vl: "tiny" with the released
     processor's pixel budget; smolvlm: "tiny" (SmolVLM2: a llama text file and an idefics3 mmproj; its
-    processor's resize edge and 64-px tiles are what the mmproj stores and llama.cpp assumes).
+    processor's resize edge and 64-px tiles are what the mmproj stores and llama.cpp assumes); idefics3:
+    "tiny-idefics3" (the same model with SmolVLM v1's Idefics3 classes).
     """
     from testkit import checkpoints, qwen_vl_checkpoints, smolvlm_checkpoints
 
     if family == "qwen2-vl":
         return checkpoints.cached_qwen2_vl("tiny")
-    if family == "smolvlm":
-        return smolvlm_checkpoints.cached_smolvlm("tiny")
+    if family in ("smolvlm", "idefics3"):  # SmolVLM2; Idefics3's classes (SmolVLM v1), the same shapes
+        return smolvlm_checkpoints.cached_smolvlm("tiny" if family == "smolvlm" else "tiny-idefics3")
     if family == "qwen3-vl":  # the "tiny" preset with the released processor's pixel budget
         preset = {**qwen_vl_checkpoints.QWEN3_VL_PRESETS["tiny"], "pixels": (65536, 16777216)}
         row = dataclasses.replace(qwen_vl_checkpoints.QWEN3_VL, cache_stem="qwen3-vl-gguf", presets={"gguf": preset})

@@ -3,7 +3,8 @@
 (testkit/gguf_makers.py), served by our smolvlm family. F32: the config values the family reads and every
 tensor (the llama q/k rows unpermuted) are the checkpoint's, and greedy tokens equal Transformers' on the
 checkpoint. Q8_0 text: greedy tokens equal Transformers' on the checkpoint holding the file's dequantized
-values."""
+values. The files of a SmolVLM v1 checkpoint (Idefics3's classes) cannot be told from SmolVLM2's: served as
+SmolVLM2, they give Transformers' Idefics3 prompt ids and tokens."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from vlm_engine.models import loader, registry
 pytestmark = pytest.mark.slow  # the first run converts (cached after)
 
 FAMILY = "smolvlm"
+BOTH = ["smolvlm", "idefics3"]  # SmolVLM2 and SmolVLM v1 (Idefics3ForConditionalGeneration) checkpoints
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 CONVERSATIONS = [
@@ -62,24 +64,26 @@ def test_config_is_the_checkpoints() -> None:
         assert getattr(got.vision_config, key) == getattr(want.vision_config, key), key
 
 
-def test_f32_tensors_are_the_checkpoints_bit_for_bit() -> None:
+@pytest.mark.parametrize("family", BOTH)
+def test_f32_tensors_are_the_checkpoints_bit_for_bit(family: str) -> None:
     """The inverted name map with conversion/llama.py's q/k row permutation undone: every checkpoint
     tensor comes back exactly, none left over."""
-    source = registry.resolve_model(str(gguf_makers.gguf_vlm_dir(FAMILY)))
+    source = registry.resolve_model(str(gguf_makers.gguf_vlm_dir(family)))
     got = dict(source.weights(registry.load_config(source)))
-    want = stored(gguf_makers.source_checkpoint(FAMILY))
+    want = stored(gguf_makers.source_checkpoint(family))
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor.float()), name
 
 
-def test_f32_pair_greedy_equals_transformers() -> None:
+@pytest.mark.parametrize("family", BOTH)
+def test_f32_pair_greedy_equals_transformers(family: str) -> None:
     """The processor rebuilt from the files (resize edge from the mmproj, tiles of the tower's size, the
     vocabulary's user-defined double newline matched whole) expands the prompts into Transformers' ids;
     greedy tokens in exact numerics are Transformers'."""
-    engine = Engine(str(gguf_makers.gguf_vlm_dir(FAMILY)), dtype="float32", kv_cache_tokens=2048, numerics="exact")
-    assert engine.source.mmproj is not None and engine.processor.family.accepts_images
-    hf = hf_model(gguf_makers.source_checkpoint(FAMILY))
+    engine = Engine(str(gguf_makers.gguf_vlm_dir(family)), dtype="float32", kv_cache_tokens=2048, numerics="exact")
+    assert engine.source.mmproj is not None and engine.hf_config.architectures == ["SmolVLMForConditionalGeneration"]
+    hf = hf_model(gguf_makers.source_checkpoint(family))
     prompts = [engine.process_messages(c).token_ids for c in CONVERSATIONS]
     assert prompts == [hf_prompt_ids(hf[1], c) for c in CONVERSATIONS]
     assert [o.token_ids for o in engine.chat(CONVERSATIONS, GREEDY)] == [
