@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_engine.models.loader import _unpermute_rope_rows, gguf_field, gguf_llama_config, gguf_reader, iter_gguf
+from vlm_engine.models.loader import gguf_field, gguf_llama_config, gguf_reader, iter_gguf, unpermute_rope_rows
 
 logger = logging.getLogger(__name__)
 
@@ -473,7 +473,7 @@ def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             if target.rope_heads:
-                array = _unpermute_rope_rows(array, target.rope_heads)
+                array = unpermute_rope_rows(array, target.rope_heads)
             if len(target.parts) == 1:
                 yield target.name, torch.from_numpy(np.array(array, copy=True))
                 continue

@@ -369,9 +369,9 @@ def iter_gguf(path: Path, config: object) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         if ".q_proj." in name:
-            array = _unpermute_rope_rows(array, heads)
+            array = unpermute_rope_rows(array, heads)
         elif ".k_proj." in name:
-            array = _unpermute_rope_rows(array, kv_heads)
+            array = unpermute_rope_rows(array, kv_heads)
         yield name, torch.from_numpy(np.array(array, copy=True))
 
 
@@ -382,7 +382,7 @@ def _gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def _unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
+def unpermute_rope_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
     # llama.cpp interleaves each head's rotary pairs; Transformers' rotate-half wants them split.
     dim = weights.shape[0] // num_heads // 2
     return weights.reshape(num_heads, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)
