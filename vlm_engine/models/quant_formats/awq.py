@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from vlm_engine.models.quant_formats.base import ActivationQuantization, GroupedWeights, UnsupportedQuantization
-from vlm_engine.models.quant_formats.gptq import PackedLinears, ceil_div, check_shapes, grouped_weights, unpack_words
+from vlm_engine.models.quant_formats.packing import PackedLinears, ceil_div, check_shapes, grouped_weights, unpack_words
 
 BITS = 4
 PER_WORD = 32 // BITS

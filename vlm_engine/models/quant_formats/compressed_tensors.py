@@ -17,13 +17,13 @@ when it was written); the scheme of a linear is that of the config group whose `
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from vlm_engine.models.quant_formats.base import ActivationQuantization, GroupedWeights, UnsupportedQuantization
+from vlm_engine.models.quant_formats.packing import unpack_words
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 SUPPORTED = "int 4-bit pack-quantized (W4A16) and int 8-bit int-quantized (W8A8; W8A16 packed or not)"
@@ -149,18 +149,9 @@ class CompressedTensorsFormat:
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
-    """compressed-tensors' `unpack_from_int32` for 4 and 8 bits: int8 codes [rows, columns], signed. Read through
-    the words' bytes (little-endian: element i of a word sits in byte i * bits // 8), so that no temporary is wider
-    than a byte per code (a 7B MLP linear's codes are 68M)."""
-    if packed.dtype != torch.int32 or sys.byteorder != "little":
-        raise ValueError(f"packed weights must be int32 on a little-endian machine, got {packed.dtype}")
-    as_bytes = packed.contiguous().view(torch.uint8)  # [rows, words * 4]
-    if bits == 4:
-        unsigned = torch.stack((as_bytes & 0xF, as_bytes >> 4), dim=-1).reshape(packed.shape[0], -1)
-    elif bits == 8:
-        unsigned = as_bytes
-    else:
-        raise ValueError(f"{bits}-bit codes are not unpacked here")
+    """compressed-tensors' `unpack_from_int32` for 4 and 8 bits: int8 codes [rows, columns], signed (element i of
+    a word in bits [i * bits, (i + 1) * bits), as `packing.unpack_words` reads them)."""
+    unsigned = unpack_words(packed, bits).reshape(packed.shape[0], -1)
     # The stored codes are offset by 2**(bits-1): subtracting it in uint8 arithmetic wraps onto the signed bytes.
     return (unsigned[:, :columns] - (1 << (bits - 1))).view(torch.int8)
 
