@@ -259,8 +259,9 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
     Our blocks are llama.cpp's: 32 inputs with one fp16 scale d (and for int4 a minimum m), w = d * q (+ m).
     A group of a multiple of 32 inputs repeats its scale in each block; act-order inputs are sorted by group
     first (stable), which makes each group contiguous. int4: q in 0..15, unsigned codes q - z -> d = s,
-    m = -s * z (signed codes: z = 8); int8: signed codes, no zero point (Q8_0), or unsigned ones whose zero
-    point is 128 everywhere. d and m are rounded to fp16: fast mode's tolerance.
+    m = -s * z (signed codes: z = 8), plus the group's offset where it has one (GGUF's Q4_1 / Q4_K minimum); int8:
+    signed codes, no zero point (Q8_0), or unsigned ones whose zero point is 128 everywhere, and no offset (our int8
+    kernels apply no minimum). d and m are rounded to fp16: fast mode's tolerance.
     """
     bits, inputs = grouped.bits, grouped.shape[1]
     if bits not in (4, 8) or inputs % GROUP:
@@ -283,9 +284,10 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
     if int(codes.min()) < lowest or int(codes.max()) > highest:
         return None
     zero = None if signed else grouped.zeros.float()[:, block_group]  # type: ignore[union-attr]
+    added = None if grouped.offsets is None else grouped.offsets.float()[:, block_group]
     if bits == 8:
-        if zero is not None and not bool((zero == offset).all()):
-            return None  # Q8_0 has no minimum
+        if (zero is not None and not bool((zero == offset).all())) or (added is not None and bool(added.any())):
+            return None  # Q8_0 has no minimum (our int8 kernels apply none)
         # Unsigned codes around a zero point of 128 are the signed ones shifted.
         panel_codes = _int8_panels(codes.to(torch.int8) if signed else (codes.to(torch.int16) - offset).to(torch.int8))
         minimum = torch.zeros_like(scale)
@@ -293,6 +295,7 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
         # Signed codes + 8 in uint8 arithmetic (wrapping) are the unsigned ones, zero point 8.
         panel_codes = _int4_panels(codes.to(torch.int8).view(torch.uint8) + offset if signed else codes.to(torch.uint8))
         minimum = -scale * (offset if zero is None else zero)
+        minimum = minimum if added is None else minimum + added
     d, m = scale.half(), minimum.half()
     if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None  # beyond fp16's range

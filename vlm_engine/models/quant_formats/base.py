@@ -21,13 +21,15 @@ class UnsupportedQuantization(ValueError):
 
 @dataclass
 class GroupedWeights:
-    """One linear's weights, [out, in], as stored: w[o, i] = scales[o, g] * (codes[o, i] - zeros[o, g]) with
-    g = group_of_input[i] (act-order checkpoints) or i // group_size.
+    """One linear's weights, [out, in], as stored: w[o, i] = scales[o, g] * (codes[o, i] - zeros[o, g])
+    (+ offsets[o, g]) with g = group_of_input[i] (act-order checkpoints) or i // group_size.
 
     codes: int32 or smaller integer tensor [out, in], unpacked (one element per weight); unsigned for asymmetric
         formats (0 .. 2**bits - 1), signed where the format stores signed codes (then zeros is None).
     scales: float32 [out, groups].
     zeros: float32 [out, groups] in code units, or None (symmetric: w = scales * codes).
+    offsets: float32 [out, groups] added to the scaled codes, or None: a minimum that is no whole number of
+        code units (GGUF's Q4_1 and Q4_K blocks: w = d * q + m, where a zero d leaves m alone).
     """
 
     codes: torch.Tensor
@@ -36,6 +38,7 @@ class GroupedWeights:
     bits: int
     group_size: int  # inputs per group; in_features for one group per output channel
     group_of_input: torch.Tensor | None = None  # int64 [in]: act-order (GPTQ desc_act) group of each input
+    offsets: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -52,7 +55,19 @@ class GroupedWeights:
         g = self.groups()
         scales = self.scales.float()[:, g]
         codes = self.codes.float()
-        return scales * (codes - self.zeros.float()[:, g]) if self.zeros is not None else scales * codes
+        weight = scales * (codes - self.zeros.float()[:, g]) if self.zeros is not None else scales * codes
+        return weight if self.offsets is None else weight + self.offsets.float()[:, g]
+
+    def rows(self, block: slice) -> GroupedWeights:
+        """The weights of the output rows `block` (views, no copy)."""
+
+        def part(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[block]
+
+        return GroupedWeights(
+            self.codes[block], self.scales[block], part(self.zeros), self.bits, self.group_size, self.group_of_input,
+            part(self.offsets),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,4 +98,3 @@ class CheckpointFormat(Protocol):
     def unpack(self, linear: str, tensors: dict[str, torch.Tensor]) -> GroupedWeights:
         """One linear's components (all of `components(linear)`) -> its grouped codes."""
         ...
-
