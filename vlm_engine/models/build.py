@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from vlm_engine.models import loader
+from vlm_engine.models import gguf_vlm, loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.family import VLModel
 from vlm_engine.models.layers import MergedLinear, RotaryEmbedding
 from vlm_engine.models.prepack import LoadTimePacker, prepack_linears, prepack_supported, release_freed_memory
 from vlm_engine.models.quant_formats.base import CheckpointFormat, GroupedWeights
+from vlm_engine.models.quant_formats.gguf_blocks import round_to_q8_0
 from vlm_engine.models.quantized import (
     QUANTIZED_DTYPES,
     InputQuantizedLinear,
@@ -45,10 +46,11 @@ def build_model(
     quantize_vision: bool = False,
     prequantized: CheckpointFormat | None = None,
 ) -> VLModel:
-    """`prequantized`: the checkpoint's own quantization (`quant_formats.checkpoint_format`); its linears become
-    our int4 / int8 QuantizedLinears straight from their codes where `quant_ops` is given (fast numerics, on a
-    CPU, fp32 or bf16), else they are dequantized into fp32 values (exact numerics: Transformers on the
-    dequantized weights), with W8A8's activations rounded per token as the format does."""
+    """`prequantized`: the checkpoint's own quantization (`quant_formats.checkpoint_format`, or a quantized GGUF's
+    `gguf_blocks.GGUFCodes`); its linears become our int4 / int8 QuantizedLinears straight from their codes where
+    `quant_ops` is given (fast numerics, on a CPU, fp32 or bf16), else they are dequantized into fp32 values (exact
+    numerics: Transformers on the dequantized weights; a GGUF's as gguf-py dequantizes them), with W8A8's
+    activations rounded per token as the format does."""
     cls = model_class(config)
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):
@@ -61,9 +63,12 @@ def build_model(
     weights: Any = source.weights(config)
     placer = None
     if prequantized is not None:
-        weights = loader.grouped_weights(weights, prequantized, loader.safetensors_names(source.directory))
         kernels = quant_ops if device.type == "cpu" and dtype in QUANTIZED_DTYPES else None
         placer = PreQuantizedLinears(model, prequantized, kernels)
+        if source.gguf_path is not None:  # exact numerics: gguf-py's fp32 values, as source.weights gives them
+            weights = gguf_codes(source, config) if kernels is not None else weights
+        else:
+            weights = loader.grouped_weights(weights, prequantized, loader.safetensors_names(source.directory))
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
     quantize = functools.partial(quantize_child, plan=plan, ops=quant_ops) if plan is not None else None
@@ -95,6 +100,16 @@ def build_model(
         prepack_linears(model, panel_ops, bf16_weights, dot_ops, weight_layouts)
     logger.info("loaded %s (%s) as %s on %s", source.name, cls.__name__, dtype, device)
     return model
+
+
+def gguf_codes(source: ModelSource, config: Any) -> Iterator[tuple[str, torch.Tensor | GroupedWeights]]:
+    """A quantized GGUF's weights with its decoder linears and LM head as GroupedWeights (quant_formats/gguf_blocks.py),
+    read by the reader `source.weights` picks."""
+    path = source.gguf_path
+    assert path is not None
+    if source.is_gguf_vlm:
+        return gguf_vlm.iter_weights(path, source.mmproj, config, codes=True)
+    return loader.iter_gguf(path, config, codes=True)
 
 
 def _materialize(model: nn.Module, dtype: torch.dtype, fp32_params: frozenset[int] = frozenset()) -> None:
@@ -189,10 +204,15 @@ class PreQuantizedLinears:
 
 def concat_outputs(parts: list[GroupedWeights]) -> GroupedWeights | None:
     """Shards of one fused linear (q/k/v, gate/up) as one GroupedWeights, stacked along the outputs (groups run
-    along the inputs); None where they do not share bits, groups and input order."""
-    first = parts[0]
+    along the inputs); None where they do not share groups and input order. Shards of 4 and of 8 bits (a GGUF
+    Q4_K_M's Q4_K q and k beside its Q6_K v) are all made int8, the 4-bit ones re-rounded to Q8_0 from their values:
+    the fused module is one kernel call, and int8 loses less of the 4-bit shards than int4 would of the others."""
     if len(parts) == 1:
-        return first
+        return parts[0]
+    if {p.bits for p in parts} == {4, 8} and all(p.group_of_input is None for p in parts):
+        logger.info("a fused linear of int4 and int8 shards: its int4 shards re-rounded to int8 (Q8_0)")
+        parts = [p if p.bits == 8 else round_to_q8_0(p.dequantize()) for p in parts]
+    first = parts[0]
     same_order = all(
         (p.group_of_input is None) == (first.group_of_input is None)
         and (p.group_of_input is None or torch.equal(p.group_of_input, first.group_of_input))
@@ -206,8 +226,11 @@ def concat_outputs(parts: list[GroupedWeights]) -> GroupedWeights | None:
         offset = 1 << (first.bits - 1)
         codes = [p.codes.to(torch.int16) + (offset if p.zeros is None else 0) for p in parts]
         zeros = torch.cat([torch.full_like(p.scales, offset) if p.zeros is None else p.zeros.float() for p in parts])
+    offsets = None
+    if any(p.offsets is not None for p in parts):
+        offsets = torch.cat([torch.zeros(p.scales.shape) if p.offsets is None else p.offsets.float() for p in parts])
     dtype = torch.int16 if len({c.dtype for c in codes}) > 1 else codes[0].dtype
     return GroupedWeights(
         torch.cat([c.to(dtype) for c in codes]), torch.cat([p.scales.float() for p in parts]), zeros,
-        first.bits, first.group_size, first.group_of_input,
+        first.bits, first.group_size, first.group_of_input, offsets,
     )  # fmt: skip

@@ -13,8 +13,8 @@ Three things are recovered from the two files, each by undoing what llama.cpp's 
   the converter's own steps read backwards (`_vision_target`: Qwen2's q/k/v merged into `qkv`, the patch
   embedding's two temporal halves into one Conv3D, Qwen3-VL's renumbered DeepStack mergers, the llama
   text's q/k rows permuted for llama.cpp's RoPE), each tensor
-  dequantized to fp32 on its own (`iter_weights`; quantized linears are then re-quantized by our own
-  int8/int4 path when asked: the GGUF's K-quant codes are not kept);
+  dequantized to fp32 on its own (`iter_weights`; in fast numerics the decoder's quantized linears come as
+  their codes instead, for our int4 / int8 kernels: quant_formats/gguf_blocks.py);
 - the prompt side: the tokenizer and chat template from the text file's `tokenizer.*` keys, the image
   processor from the mmproj's, written once as a Hugging Face processor directory (`processor_directory`)
   that the family's own prompt code loads.
@@ -46,7 +46,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vlm_engine.models.loader import gguf_field, gguf_llama_config, gguf_reader, iter_gguf, unpermute_rope_rows
+from vlm_engine.models.loader import gguf_field, gguf_llama_config, gguf_reader, gguf_tensor, iter_gguf
+from vlm_engine.models.quant_formats.base import GroupedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -456,13 +457,17 @@ def _disk_name(name: str) -> str:
     return name
 
 
-def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    text: Path, mmproj: Path | None, config: Any, codes: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GroupedWeights]]:
     """(checkpoint name, fp32 tensor) of both files, each tensor dequantized alone; a checkpoint tensor the
-    converter split is yielded once all its parts were read (they lie next to each other in the file)."""
+    converter split is yielded once all its parts were read (they lie next to each other in the file). With
+    `codes`, the text decoder's quantized linears and the LM head come as their blocks' GroupedWeights
+    (loader.gguf_tensor)."""
     from gguf.quants import dequantize
 
     if mmproj is None and gguf_architecture(text) == "llama":  # SmolVLM's text alone
-        yield from iter_gguf(text, config)
+        yield from iter_gguf(text, config, codes)
         return
     targets = checkpoint_targets(config, gguf_architecture(text))
     pending: dict[str, dict[str, np.ndarray]] = {}
@@ -471,14 +476,11 @@ def iter_weights(text: Path, mmproj: Path | None, config: Any) -> Iterator[tuple
             target = targets.get(tensor.name)
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
-            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-            if target.rope_heads:
-                array = unpermute_rope_rows(array, target.rope_heads)
             if len(target.parts) == 1:
-                yield target.name, torch.from_numpy(np.array(array, copy=True))
+                yield target.name, gguf_tensor(tensor, target.name, target.rope_heads, codes and path == text)
                 continue
             parts = pending.setdefault(target.name, {})
-            parts[tensor.name] = array
+            parts[tensor.name] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             if len(parts) == len(target.parts):
                 del pending[target.name]
                 arrays = [parts[p] for p in target.parts]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vlm_engine.models.layers import MergedLinear
+from vlm_engine.models.quant_formats import gguf_blocks
 from vlm_engine.models.quant_formats.base import CheckpointFormat, GroupedWeights
 
 logger = logging.getLogger(__name__)
@@ -277,11 +278,7 @@ def dequantize_into(dst: torch.Tensor, grouped: GroupedWeights, rows: int = 1024
     product), without the whole linear's fp32 codes and expanded scales at once (~3x its fp32 weights)."""
     for start in range(0, grouped.shape[0], rows):
         block = slice(start, start + rows)
-        zeros = None if grouped.zeros is None else grouped.zeros[block]
-        part = GroupedWeights(
-            grouped.codes[block], grouped.scales[block], zeros, grouped.bits, grouped.group_size, grouped.group_of_input
-        )
-        dst[block].copy_(part.dequantize())
+        dst[block].copy_(grouped.rows(block).dequantize())
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor | StoredTensor, name: str) -> None:
@@ -355,10 +352,9 @@ def gguf_llama_config(path: Path) -> object:
     return config
 
 
-def iter_gguf(path: Path, config: object) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized tensors under Transformers' names, with llama.cpp's q/k row order undone."""
-    from gguf.quants import dequantize
-
+def iter_gguf(path: Path, config: object, codes: bool = False) -> Iterator[tuple[str, torch.Tensor | GroupedWeights]]:
+    """Dequantized tensors under Transformers' names, with llama.cpp's q/k row order undone; with `codes`, the
+    decoder's quantized linears and the LM head as their blocks' GroupedWeights instead (`gguf_tensor`)."""
     reader = gguf_reader(path)
     heads = config.num_attention_heads  # type: ignore[attr-defined]
     kv_heads = config.num_key_value_heads  # type: ignore[attr-defined]
@@ -367,12 +363,30 @@ def iter_gguf(path: Path, config: object) -> Iterator[tuple[str, torch.Tensor]]:
         if name is None:
             logger.debug("ignoring GGUF tensor %s", tensor.name)
             continue
-        array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if ".q_proj." in name:
-            array = unpermute_rope_rows(array, heads)
-        elif ".k_proj." in name:
-            array = unpermute_rope_rows(array, kv_heads)
-        yield name, torch.from_numpy(np.array(array, copy=True))
+        rope_heads = heads if ".q_proj." in name else kv_heads if ".k_proj." in name else 0
+        yield name, gguf_tensor(tensor, name, rope_heads, codes)
+
+
+def gguf_tensor(tensor: Any, name: str, rope_heads: int = 0, codes: bool = False) -> torch.Tensor | GroupedWeights:
+    """One GGUF tensor (gguf-py's ReaderTensor) as the checkpoint tensor `name`: gguf-py's fp32 values, or with
+    `codes` for a quantized linear of the decoder or the LM head its GroupedWeights (quant_formats/gguf_blocks.py:
+    our int4 / int8 blocks, read from the file's). `rope_heads`: llama.cpp permuted the rows per head of this
+    many for its RoPE: undone (on the values, or on the codes' rows)."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the inputs (ne0) first
+    if codes and gguf_blocks.serves_from_codes(name, len(shape)):
+        lm_head = name == "lm_head.weight"
+        grouped = gguf_blocks.grouped_of(tensor.tensor_type.name, tensor.data, shape, lm_head)  # type: ignore[arg-type]
+        if grouped is not None:
+            if not rope_heads:
+                return grouped
+            order = unpermute_rope_rows(np.arange(shape[0]), rope_heads)
+            return gguf_blocks.permute_rows(grouped, torch.from_numpy(np.ascontiguousarray(order)))
+    array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if rope_heads:
+        array = unpermute_rope_rows(array, rope_heads)
+    return torch.from_numpy(np.array(array, copy=True))
 
 
 def _gguf_to_hf_name(name: str) -> str | None:

@@ -15,10 +15,11 @@ import torch
 
 from vlm_engine.config import EngineConfig
 from vlm_engine.host_memory import keep_freed_memory
+from vlm_engine.models import loader
 from vlm_engine.models.build import build_model
 from vlm_engine.models.family import VLModel, text_config_of
 from vlm_engine.models.fused_ops import fused_ops_apply, load_fused_ops
-from vlm_engine.models.quant_formats import CheckpointFormat, checkpoint_format
+from vlm_engine.models.quant_formats import CheckpointFormat, checkpoint_format, gguf_blocks
 from vlm_engine.models.registry import (
     ModelSource,
     cpu_bf16_weights,
@@ -103,15 +104,23 @@ def wire_model(config: EngineConfig) -> WiredModel:
 def _prequantized(source: ModelSource, hf_config: Any, quantization: str | None) -> CheckpointFormat | None:
     """The checkpoint's own quantization format (raises UnsupportedQuantization for one we do not serve), and a
     clear error where weight-only quantization is asked of an already quantized checkpoint."""
-    if source.gguf_file is not None:
-        return None
-    own = checkpoint_format(hf_config)
+    own = _gguf_codes(source) if source.gguf_path is not None else checkpoint_format(hf_config)
     if own is not None and quantization:
         raise ValueError(
             f"{source.name} is already quantized ({own.name}): quantization {quantization!r} would quantize it "
             "again; leave it out to serve the checkpoint's own codes"
         )
     return own
+
+
+def _gguf_codes(source: ModelSource) -> CheckpointFormat | None:
+    """A quantized GGUF VLM (or SmolVLM text) file is served from its codes as a pre-quantized checkpoint is. A llama
+    text GGUF (the default SmolLM2 Q4_1) is not: its F32 / bf16 and `--quantization int4` serving are what the
+    benchmarks, the speculative drafts and the numerics tests are built on (int4 of a Q4_1 file gives back its codes)."""
+    if not source.is_gguf_vlm:
+        return None
+    assert source.gguf_path is not None
+    return gguf_blocks.quantized_format(loader.gguf_reader(source.gguf_path))
 
 
 def _check_vocab(draft_config: Any, target_config: Any) -> None:
