@@ -23,7 +23,7 @@ from vlm_engine import Engine, SamplingParams
 from vlm_engine.models import loader, registry
 from vlm_engine.models.build import concat_outputs
 from vlm_engine.models.quant_formats import gguf_blocks
-from vlm_engine.models.quantized import PANEL_ROWS, QuantizedLinear
+from vlm_engine.models.quantized import PANEL_ROWS, QuantizedLinear, grouped_panels
 
 EXACT = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}  # gguf-py quantizes these; our panels hold them exactly
 TEXT = (
@@ -162,9 +162,12 @@ def test_a_fused_linear_of_q4_k_and_q6_k_shards_is_int8(ops: Any) -> None:
     assert bool(((served.dequantized_weight() - want).abs() <= q8_0_bound(want)).all())
 
 
-def test_llama_text_codes_are_its_values_with_the_rope_rows_undone() -> None:
-    """SmolLM2's Q4_1 file through loader.iter_gguf with codes: its first layer's linears (q and k rows
-    permuted back from llama.cpp's RoPE order) are GroupedWeights whose values are the fp32 stream's bit for bit."""
+@pytest.mark.slow  # two passes over SmolLM2's embedding table
+def test_llama_text_codes_are_its_values_with_the_rope_rows_undone(ops: Any) -> None:
+    """SmolLM2's Q4_1 file through loader.iter_gguf with codes (the stream build_model reads for a GGUFCodes llama
+    file; wiring leaves SmolLM2 dequantized by default): its first layer's linears (q and k rows permuted back from
+    llama.cpp's RoPE order) are GroupedWeights whose values are the fp32 stream's bit for bit, and whose panels are
+    the very ones `--quantization int4` makes from those values (Q4_1 is our int4 block)."""
     source = registry.resolve_model("SmolLM2-135M-Instruct")
     config = registry.load_config(source)
     count = 1 + 9 + 2  # the embedding, layer 0's nine tensors, layer 1's first two
@@ -176,6 +179,11 @@ def test_llama_text_codes_are_its_values_with_the_rope_rows_undone() -> None:
     assert all(g.bits == 4 for g in grouped.values())
     for name, tensor in coded.items():
         assert torch.equal(tensor.dequantize() if name in grouped else tensor, dense[name]), name
+    for name, weights in grouped.items():
+        panels = grouped_panels(weights)
+        assert panels is not None
+        codes, scales = ops.quantize_panels(dense[name], 4)
+        assert torch.equal(panels[0], codes) and torch.equal(panels[1], scales), name
 
 
 # ---- engines on llama-quantize's files ------------------------------------------------------------------------------

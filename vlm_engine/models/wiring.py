@@ -115,8 +115,8 @@ def _prequantized(source: ModelSource, hf_config: Any, quantization: str | None)
 
 def _gguf_codes(source: ModelSource) -> CheckpointFormat | None:
     """A quantized GGUF VLM (or SmolVLM text) file is served from its codes as a pre-quantized checkpoint is. A llama
-    text GGUF (the default SmolLM2 Q4_1) is not: its F32 / bf16 and `--quantization int4` serving are what the
-    benchmarks, the speculative drafts and the numerics tests are built on (int4 of a Q4_1 file gives back its codes)."""
+    text GGUF (the default SmolLM2 Q4_1) is not: its bf16 / fp32 and `--quantization int4` serving are what the
+    benchmarks' rows and the SmolLM2 numerics and perplexity tests measure (int4 of a Q4_1 file gives back its codes)."""
     if not source.is_gguf_vlm:
         return None
     assert source.gguf_path is not None
