@@ -91,6 +91,20 @@ def test_gguf_py_blocks_on_our_panels(type_name: str, ops: Any) -> None:
         assert bool(((head.dequantized_weight() - want).abs() <= q8_0_bound(want)).all())
 
 
+def test_re_rounding_goes_by_row_blocks_with_the_whole_tensors_result() -> None:
+    """Re-rounding reads 1024 output rows at a time (a 7B's LM head never sits in memory as fp32 at once): the same
+    codes and scales as Q8_0 of the whole tensor's values."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    weights = random_weights(out=1100, inputs=64, seed=1)
+    data = quantize(weights, GGMLQuantizationType.Q5_1)
+    grouped = gguf_blocks.grouped_of("Q5_1", data, weights.shape)
+    whole = gguf_blocks.round_to_q8_0(reference("Q5_1", data, weights.shape))
+    assert grouped is not None and grouped.bits == 8
+    assert torch.equal(grouped.codes, whole.codes) and torch.equal(grouped.scales, whole.scales)
+
+
 def test_dense_types_are_left_to_the_dequantizer() -> None:
     weights = random_weights()
     assert gguf_blocks.grouped_of("F32", weights, weights.shape) is None

@@ -10,8 +10,8 @@ Our panels are llama.cpp's own Q4_1 and Q8_0 blocks (32 inputs, fp16 d and for i
   significant bits, so a weight moves by at most 2^-11 * (15 |d'| + |m'|): fast numerics' tolerance).
 - Q8_0 (w = d * q): int8, exactly; Q5_0 (w = d * (q - 16)): int8 with signed codes q - 16, exactly.
 - Everything else (Q5_1, Q5_K and Q6_K, whose minimum or 16-input scales our int8 blocks do not hold: the int8
-  kernels apply no minimum; Q2_K, Q3_K, IQ*, ...): the tensor's values, dequantized by gguf-py (one tensor's fp32
-  at a time), re-rounded per block of 32 to Q8_0 (`round_to_q8_0`), logged.
+  kernels apply no minimum; Q2_K, Q3_K, IQ*, ...): the tensor's values, dequantized by gguf-py (1024 rows' fp32
+  at a time), re-rounded per block of 32 to Q8_0 (`round_to_q8_0`), logged once per type.
 
 The LM head is int8 whatever its type (our rule, as llama.cpp's Q4 files keep the output projection in Q6_K /
 Q8_0); embedding tables, norms and F32 / F16 / BF16 tensors stay dense as gguf-py dequantizes them.
@@ -99,7 +99,21 @@ def grouped_of(
     why = "the LM head is int8" if lm_head else "our panels do not hold its blocks"
     logger.log(level, "%s [%d x %d]: %s: re-rounded to int8 (Q8_0, blocks of 32) from its fp32 values",
                type_name, out, inputs, why)  # fmt: skip
-    return round_to_q8_0(dequantized(type_name, data, shape))
+    return _rerounded(type_name, data, shape)
+
+
+def _rerounded(type_name: str, data: np.ndarray, shape: tuple[int, int], rows: int = 1024) -> GroupedWeights:
+    """`round_to_q8_0` of gguf-py's values, `rows` output rows at a time: a 7B's Q6_K LM head (545M weights) never
+    has its 2.2 GB of fp32 values, let alone the rounding's temporaries, in memory at once."""
+    out, inputs = shape
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(out, -1)
+    codes = torch.empty(out, inputs, dtype=torch.int8)
+    scales = torch.empty(out, inputs // BLOCK)
+    for start in range(0, out, rows):
+        end = min(out, start + rows)
+        part = round_to_q8_0(dequantized(type_name, blocks[start:end], (end - start, inputs)))
+        codes[start:end], scales[start:end] = part.codes, part.scales
+    return GroupedWeights(codes, scales, None, 8, BLOCK)
 
 
 def dequantized(type_name: str, data: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
