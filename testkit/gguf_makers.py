@@ -91,14 +91,18 @@ def _gemma3_source() -> Path:
     """Gemma 3's "tiny" preset with what the text GGUF cannot say set as llama.cpp assumes it: a sliding
     window on 5 layers of 6 (layers 0-4 and 6 of 7: a sliding layer after a full one too), the query
     scaled by the head dim, the local RoPE base on the sliding layers, linear RoPE scaling on the full ones
-    (which the file stores)."""
+    (which the file stores); a 256-wide text model, so that every decoder matrix has rows of whole 256-value
+    K-quant super-blocks."""
     from testkit import checkpoints, gemma3_checkpoints
 
     tiny = gemma3_checkpoints.GEMMA3_PRESETS["tiny"]
     sliding, full = gemma3_checkpoints.SLIDING, gemma3_checkpoints.FULL
-    text = {**tiny["text"], "num_hidden_layers": 7, "layer_types": [sliding] * 5 + [full, sliding]}
+    text = {
+        **tiny["text"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 7,
+        "layer_types": [sliding] * 5 + [full, sliding],
+    }  # fmt: skip
     preset = {**tiny, "text": {**text, "query_pre_attn_scalar": text["head_dim"]}}
-    row = dataclasses.replace(gemma3_checkpoints.GEMMA3, cache_stem="gemma3-gguf", presets={"gguf": preset})
+    row = dataclasses.replace(gemma3_checkpoints.GEMMA3, cache_stem="gemma3-gguf-256", presets={"gguf": preset})
     return _released_gemma3_names(checkpoints.cached_random_checkpoint(row, "gguf"))
 
 

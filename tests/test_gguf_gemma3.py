@@ -5,7 +5,7 @@ as llama.cpp's converter writes them from a tiny random Gemma 3 checkpoint in th
 F32 files hold the checkpoint's tensors bit for bit except where the converter changed them: Gemma's norm
 weights written as 1 + w (read back as (1 + w) - 1 in fp32, whose 1 + w is the checkpoint's exactly) and
 the projector's matrix, always written F16. Greedy tokens in exact numerics equal Transformers' on the
-checkpoint holding the values the files give (for F32: those two differences; for Q8_0: the rounded
+checkpoint holding the values the files give (for F32: those two differences; for Q8_0 and Q4_K_M: the rounded
 matrices too)."""
 
 from __future__ import annotations
@@ -129,19 +129,23 @@ def test_f32_pair_greedy_equals_transformers(tmp_path: Path) -> None:
     assert ours == [hf_greedy(hf, c, MAX_TOKENS) for c in CONVERSATIONS]
 
 
-def test_q8_0_pair_greedy_equals_transformers_on_its_values(tmp_path: Path) -> None:
-    """The converter's Q8_0 text file holds Q8_0 matrices, their values are the checkpoint's within Q8_0's
-    error, and greedy tokens equal Transformers' on those values."""
+@pytest.mark.parametrize(("text_type", "max_error"), [("Q8_0", 0.01), ("Q4_K_M", 0.1)])
+def test_quantized_pair_greedy_equals_transformers_on_its_values(
+    text_type: str, max_error: float, tmp_path: Path
+) -> None:
+    """The text file holds the type it says (the converter's Q8_0; llama-quantize's Q4_K, not a fallback), its
+    values are the checkpoint's within the type's error, and greedy tokens equal Transformers' on them."""
     from gguf import GGMLQuantizationType
 
-    directory = gguf_makers.gguf_vlm_dir(FAMILY, "Q8_0")
+    directory = gguf_makers.gguf_vlm_dir(FAMILY, text_type)
+    kind = GGMLQuantizationType[text_type.removesuffix("_M")]
     types = {t.tensor_type for t in loader.gguf_reader(gguf_makers.text_file(directory)).tensors}
-    assert GGMLQuantizationType.Q8_0 in types, types
+    assert kind in types, types
     checkpoint = dequantized_checkpoint(directory, tmp_path)
     values, original = stored(checkpoint), stored(gguf_makers.source_checkpoint(FAMILY))
     for name, value in values.items():
         error = (value - original[name]).norm() / original[name].norm().clamp_min(1e-12)
-        assert error < 0.01, (name, float(error))
+        assert error < max_error, (name, float(error))
     embedding = "language_model.model.embed_tokens.weight"
     assert not torch.equal(values[embedding], original[embedding])  # the text's matrices were rounded
     engine = Engine(str(directory), dtype="float32", kv_cache_tokens=2048, numerics="exact")
