@@ -59,7 +59,8 @@ def source_checkpoint(family: str) -> Path:
     qwen2-vl: the "tiny" checkpoint as the other tests use it (a 2-block tower); qwen3-vl: "tiny" with the released
     processor's pixel budget; smolvlm: "tiny" (SmolVLM2: a llama text file and an idefics3 mmproj; its
     processor's resize edge and 64-px tiles are what the mmproj stores and llama.cpp assumes); idefics3:
-    "tiny-idefics3" (the same model with SmolVLM v1's Idefics3 classes).
+    "tiny-idefics3" (the same model with SmolVLM v1's Idefics3 classes); gemma3: "tiny" made to follow
+    llama.cpp's assumptions, in the released checkpoints' tensor names (`_gemma3_source`).
     """
     from testkit import checkpoints, qwen_vl_checkpoints, smolvlm_checkpoints
 
@@ -71,6 +72,8 @@ def source_checkpoint(family: str) -> Path:
         preset = {**qwen_vl_checkpoints.QWEN3_VL_PRESETS["tiny"], "pixels": (65536, 16777216)}
         row = dataclasses.replace(qwen_vl_checkpoints.QWEN3_VL, cache_stem="qwen3-vl-gguf", presets={"gguf": preset})
         return checkpoints.cached_random_checkpoint(row, "gguf")
+    if family == "gemma3":
+        return _gemma3_source()
     if family != "qwen2.5-vl":
         raise ValueError(f"no GGUF test checkpoint for {family!r}")
     tiny = qwen_vl_checkpoints.QWEN2_5_VL_PRESETS["tiny"]
@@ -82,6 +85,52 @@ def source_checkpoint(family: str) -> Path:
     }
     row = dataclasses.replace(qwen_vl_checkpoints.QWEN2_5_VL, cache_stem="qwen2.5-vl-gguf", presets={"gguf": preset})
     return checkpoints.cached_random_checkpoint(row, "gguf")
+
+
+def _gemma3_source() -> Path:
+    """Gemma 3's "tiny" preset with what the text GGUF cannot say set as llama.cpp assumes it: a sliding
+    window on 5 layers of 6 (layers 0-4 and 6 of 7: a sliding layer after a full one too), the query
+    scaled by the head dim, the local RoPE base on the sliding layers, linear RoPE scaling on the full ones
+    (which the file stores); a 256-wide text model, so that every decoder matrix has rows of whole 256-value
+    K-quant super-blocks."""
+    from testkit import checkpoints, gemma3_checkpoints
+
+    tiny = gemma3_checkpoints.GEMMA3_PRESETS["tiny"]
+    sliding, full = gemma3_checkpoints.SLIDING, gemma3_checkpoints.FULL
+    text = {
+        **tiny["text"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 7,
+        "layer_types": [sliding] * 5 + [full, sliding],
+    }  # fmt: skip
+    preset = {**tiny, "text": {**text, "query_pre_attn_scalar": text["head_dim"]}}
+    row = dataclasses.replace(gemma3_checkpoints.GEMMA3, cache_stem="gemma3-gguf-256", presets={"gguf": preset})
+    return _released_gemma3_names(checkpoints.cached_random_checkpoint(row, "gguf"))
+
+
+def _released_gemma3_names(saved: Path) -> Path:
+    """`saved` with its tower under the released checkpoints' `vision_tower.vision_model.` (Transformers 5
+    saves it as `vision_tower.`, a name gguf-py's map does not know): the files a user converts. The other
+    files are links to `saved`'s."""
+    from safetensors.torch import load_file, save_file
+
+    out = cache_root() / f"{saved.name}-released-names"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for item in saved.iterdir():
+            if item.suffix != ".safetensors":
+                (staging / item.name).symlink_to(item)
+        tensors = load_file(str(saved / "model.safetensors"))
+        tower = "vision_tower."
+        renamed = {
+            (f"{tower}vision_model.{n[len(tower) :]}" if n.startswith(tower) else n): t for n, t in tensors.items()
+        }
+        save_file(renamed, str(staging / "model.safetensors"), {"format": "pt"})
+        os.rename(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def gguf_vlm_dir(family: str, text_type: str = "F32", mmproj_type: str = "F32") -> Path:

@@ -1,18 +1,21 @@
 """GGUF VLMs: llama.cpp's text GGUF plus its mmproj GGUF (the vision tower and projector), served by our
-Qwen2-VL, Qwen2.5-VL, Qwen3-VL and SmolVLM families as if they were the Hugging Face checkpoint the converter read.
+Qwen2-VL, Qwen2.5-VL, Qwen3-VL, SmolVLM and Gemma 3 families as if they were the Hugging Face checkpoint the
+converter read.
 
 Three things are recovered from the two files, each by undoing what llama.cpp's converter
 (`convert_hf_to_gguf.py`, `conversion/qwenvl.py`, `conversion/qwen3vl.py`, `conversion/smolvlm.py` with
-`conversion/llama.py` for SmolVLM's text) did:
+`conversion/llama.py` for SmolVLM's text, `conversion/gemma.py`) did:
 
 - the config: the text file's `qwen2vl.*` / `qwen3vl.*` keys and the mmproj's `clip.vision.*` keys -> a
   Transformers `Qwen2VLConfig` / `Qwen2_5_VLConfig` / `Qwen3VLConfig` (`vlm_config`); a qwen2vl text file
   without its mmproj is served as the text model alone (`Qwen2ForCausalLM`: M-RoPE with its three axes
   equal is 1-D RoPE); SmolVLM: the `llama.*` keys and the mmproj's `idefics3` keys -> a `SmolVLMConfig`;
+  Gemma 3 (`gemma3.*` keys, projector type `gemma3`): models/gguf_gemma3.py, config, tensor names and
+  processor alike (`Gemma3Config`; the text file alone is `Gemma3ForCausalLM`);
 - the weights: gguf-py's own HF -> GGUF name map, inverted on the names the Transformers model has, with
   the converter's own steps read backwards (`_vision_target`: Qwen2's q/k/v merged into `qkv`, the patch
   embedding's two temporal halves into one Conv3D, Qwen3-VL's renumbered DeepStack mergers, the llama
-  text's q/k rows permuted for llama.cpp's RoPE), each tensor
+  text's q/k rows permuted for llama.cpp's RoPE, the 1 added to Gemma's norm weights), each tensor
   dequantized to fp32 on its own (`iter_weights`; in fast numerics the decoder's quantized linears come as
   their codes instead, for our int4 / int8 kernels: quant_formats/gguf_blocks.py);
 - the prompt side: the tokenizer and chat template from the text file's `tokenizer.*` keys, the image
@@ -20,7 +23,7 @@ Three things are recovered from the two files, each by undoing what llama.cpp's 
   that the family's own prompt code loads.
 
 What the files do not hold is taken as the released models and llama.cpp take it (`_NOT_STORED`,
-`_PIXELS`, `_SMOLVLM_NOT_STORED`); anything else missing is an error naming the key, raised before a weight
+`_PIXELS`, `_SMOLVLM_NOT_STORED`, gguf_gemma3's `_NOT_STORED`); anything else missing is an error naming the key, raised before a weight
 is read.
 
 A SmolVLM text file is a `llama` GGUF like any other: it is told apart by its vocabulary (SmolVLM's image
@@ -46,6 +49,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from vlm_engine.models import gguf_gemma3
+from vlm_engine.models.gguf_keys import float32_decimal as _float  # the names this module has used
+from vlm_engine.models.gguf_keys import required as _required
+from vlm_engine.models.gguf_keys import siglip_vision
 from vlm_engine.models.loader import gguf_field, gguf_llama_config, gguf_reader, gguf_tensor, iter_gguf
 from vlm_engine.models.quant_formats.base import GroupedWeights
 
@@ -57,6 +64,7 @@ CLIP_ARCHITECTURE = "clip"  # general.architecture of every mmproj file
 # SmolVLM's text is SmolLM2, written as "llama" (a llama file is ours only when it is SmolVLM's: `serves`).
 TEXT_ARCHITECTURES = {
     "qwen2vl": ("qwen2vl_merger", "qwen2.5vl_merger"), "qwen3vl": ("qwen3vl_merger",), "llama": ("idefics3",),
+    "gemma3": ("gemma3",),
 }  # fmt: skip
 QWEN2_VL, QWEN2_5_VL, QWEN3_VL, SMOLVLM = (
     "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
@@ -67,6 +75,7 @@ QWEN2_VL, QWEN2_5_VL, QWEN3_VL, SMOLVLM = (
 # processor and model take v1's images too.
 PROJECTORS = {
     "qwen2vl_merger": QWEN2_VL, "qwen2.5vl_merger": QWEN2_5_VL, "qwen3vl_merger": QWEN3_VL, "idefics3": SMOLVLM,
+    "gemma3": gguf_gemma3.GEMMA3,
 }  # fmt: skip
 
 # Values neither file stores, as the released checkpoints (and llama.cpp's clip.cpp) have them.
@@ -144,13 +153,6 @@ def find_mmproj(directory: Path) -> tuple[Path | None, list[Path]]:
 # ---- config ------------------------------------------------------------------------------------
 
 
-def _required(reader: Any, path: Path, key: str) -> Any:
-    value = gguf_field(reader, key)
-    if value is None:
-        raise ValueError(f"{path.name}: GGUF key {key!r} is missing (it is needed to build the model)")
-    return value
-
-
 def vlm_config(text: Path, mmproj: Path | None) -> Any:
     """The Transformers config of the model the two files hold (the text model alone without `mmproj`)."""
     reader = gguf_reader(text)
@@ -161,6 +163,10 @@ def vlm_config(text: Path, mmproj: Path | None) -> Any:
         )
     if mmproj is None and arch == "llama":  # SmolVLM's text alone: a llama model as loader.py serves it
         return gguf_llama_config(text)
+    if arch == "gemma3":  # models/gguf_gemma3.py
+        if mmproj is not None:
+            _projector_architecture(gguf_reader(mmproj), mmproj, text, str(arch))
+        return gguf_gemma3.gemma3_config(text, mmproj)
     text_config = _text_config(reader, text, str(arch))
     if mmproj is None:
         from transformers import Qwen2Config
@@ -240,12 +246,6 @@ def _text_config(reader: Any, path: Path, arch: str) -> dict[str, Any]:
     }
 
 
-def _float(value: Any) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07): the shortest
-    text that reads back as the same float32."""
-    return float(str(np.float32(value)))
-
-
 def _projector_architecture(clip: Any, mmproj: Path, text: Path, arch: str) -> str:
     if not gguf_field(clip, "clip.has_vision_encoder", False):
         raise ValueError(f"{mmproj.name}: the mmproj has no vision encoder (clip.has_vision_encoder)")
@@ -280,9 +280,8 @@ def _smolvlm_config(text_config: dict[str, Any], reader: Any, text: Path, clip: 
     missing = [t for t in _SMOLVLM_TOKENS if t not in tokens]
     if missing:
         raise ValueError(f"{text.name}: the vocabulary has no {', '.join(missing)} (tokenizer.ggml.tokens)")
-    if not gguf_field(clip, "clip.use_gelu", False):  # clip.cpp's other choice, quick GELU, is not SigLIP's
-        raise ValueError(f"{mmproj.name}: clip.use_gelu is not set: not SigLIP's tanh GELU")
-    width = int(_required(clip, mmproj, "clip.vision.embedding_length"))
+    vision = siglip_vision(clip, mmproj)
+    width = vision["hidden_size"]
     scale = int(_required(clip, mmproj, "clip.vision.projector.scale_factor"))
     projection = next((t for t in clip.tensors if t.name == "mm.model.fc.weight"), None)
     if projection is None:
@@ -295,17 +294,6 @@ def _smolvlm_config(text_config: dict[str, Any], reader: Any, text: Path, clip: 
             f"{mmproj.name} projects to width {outputs}, {text.name} is {text_config['hidden_size']} wide: "
             "they are not one model's pair"
         )
-    vision = {
-        "hidden_size": width,
-        "intermediate_size": int(_required(clip, mmproj, "clip.vision.feed_forward_length")),
-        "num_hidden_layers": int(_required(clip, mmproj, "clip.vision.block_count")),
-        "num_attention_heads": int(_required(clip, mmproj, "clip.vision.attention.head_count")),
-        "image_size": int(_required(clip, mmproj, "clip.vision.image_size")),
-        "patch_size": int(_required(clip, mmproj, "clip.vision.patch_size")),
-        "layer_norm_eps": _float(_required(clip, mmproj, "clip.vision.attention.layer_norm_epsilon")),
-        "hidden_act": "gelu_pytorch_tanh",  # clip.use_gelu: ggml's GELU is the tanh form
-        "num_channels": 3,
-    }
     return SmolVLMConfig(
         text_config=text_config, vision_config=vision, scale_factor=scale, image_token_id=tokens.index("<image>"),
         tie_word_embeddings=text_config["tie_word_embeddings"], architectures=[SMOLVLM],
@@ -373,6 +361,7 @@ class _Target:
     axis: int = 0
     stack: bool = False
     rope_heads: int = 0  # llama.cpp permuted the rows for its RoPE, per head of this many: undone
+    norm_shift: float = 0.0  # the converter added this (Gemma's 1 + w norms): subtracted
 
 
 def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
@@ -381,6 +370,9 @@ def checkpoint_targets(config: Any, text_arch: str) -> dict[str, _Target]:
     import gguf
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if text_arch == "gemma3":  # GGUF name -> (checkpoint name, the norm shift the converter added)
+        return {disk: _Target(name, (disk,), norm_shift=shift)
+                for disk, (name, shift) in gguf_gemma3.checkpoint_targets(config).items()}  # fmt: skip
     vision = getattr(config, "vision_config", None)
     auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
     with torch.device("meta"):
@@ -477,7 +469,11 @@ def iter_weights(
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
             if len(target.parts) == 1:
-                yield target.name, gguf_tensor(tensor, target.name, target.rope_heads, codes and path == text)
+                value = gguf_tensor(tensor, target.name, target.rope_heads, codes and path == text)
+                if target.norm_shift:  # a norm: always dense fp32
+                    assert isinstance(value, torch.Tensor)
+                    value = value - target.norm_shift  # in fp32, as the converter added it
+                yield target.name, value
                 continue
             parts = pending.setdefault(target.name, {})
             parts[tensor.name] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -525,15 +521,18 @@ def _file_identity(path: Path) -> list[Any]:
     return [str(path.resolve()), stat.st_size, stat.st_mtime_ns]
 
 
-def gguf_tokenizer(text: Path) -> Any:
+def gguf_tokenizer(text: Path, extra_special_tokens: dict[str, str] | None = None) -> Any:
     """The text file's tokenizer (vocabulary, merges, special tokens, chat template), built by Transformers'
-    GGUF tokenizer conversion, which does not depend on the file's architecture."""
+    GGUF tokenizer conversion (by the file's tokenizer.ggml.model; Gemma's sentencepiece vocabularies have
+    their own builder). `extra_special_tokens`: named special tokens a processor reads (Gemma 3's boi_token)."""
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
 
     architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(text))
     backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
     options = {k: v for k, v in {**tokenizer_config, **extra}.items() if v is not None}
+    if extra_special_tokens:
+        options["extra_special_tokens"] = extra_special_tokens
     if "chat_template" not in options:
         raise ValueError(f"{text.name}: no chat template (tokenizer.chat_template)")
     return PreTrainedTokenizerFast(tokenizer_object=_with_user_defined_tokens(backend, text), **options)
@@ -569,8 +568,12 @@ def _with_user_defined_tokens(backend: Any, text: Path) -> Any:
 
 
 def _write_processor(out: Path, text: Path, mmproj: Path | None, config: Any) -> None:
-    tokenizer = gguf_tokenizer(text)
     config.save_pretrained(str(out))
+    if mmproj is not None and config.architectures == [gguf_gemma3.GEMMA3]:  # its tokenizer names its image tokens
+        tokenizer = gguf_tokenizer(text, extra_special_tokens=gguf_gemma3.NAMED_TOKENS)
+        gguf_gemma3.gemma3_processor(tokenizer, mmproj, config).save_pretrained(str(out))
+        return
+    tokenizer = gguf_tokenizer(text)
     if mmproj is None:
         tokenizer.save_pretrained(str(out))
         return
