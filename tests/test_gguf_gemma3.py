@@ -153,6 +153,36 @@ def test_quantized_pair_greedy_equals_transformers_on_its_values(
     assert ours == [hf_greedy(hf_model(checkpoint), c, MAX_TOKENS) for c in CONVERSATIONS]
 
 
+def test_fast_numerics_serve_the_q4_k_m_files_codes() -> None:
+    """Fast numerics (the default) serve a Q4_K_M Gemma 3 file from its codes, as the qwen pairs
+    (tests/test_gguf_kquants.py): each decoder linear is int4 where all its shards are Q4_K, else int8 (the tied
+    LM head stays the embedding's), within the Q4_K mapping's fp16 error of exact numerics' weights, and it
+    answers text and images."""
+    from vlm_engine.models.quantized import QuantizedLinear
+
+    directory = gguf_makers.gguf_vlm_dir(FAMILY, "Q4_K_M")
+    types = {t.name: t.tensor_type.name for t in loader.gguf_reader(gguf_makers.text_file(directory)).tensors}
+    shards = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+              "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}  # fmt: skip
+    layers = {int(name.split(".")[1]) for name in types if name.startswith("blk.")}
+    want = {
+        f"model.layers.{layer}.{module}": 4 if all(types[f"blk.{layer}.{p}.weight"] == "Q4_K" for p in parts) else 8
+        for layer in sorted(layers)
+        for module, parts in shards.items()
+    }
+    assert set(want.values()) == {4, 8}  # llama-quantize's mix: the test covers both paths
+    fast = Engine(str(directory), dtype="float32", kv_cache_tokens=2048)
+    served = {name: m for name, m in fast.model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert {name: m.bits for name, m in served.items()} == want
+    exact = dict(Engine(str(directory), dtype="float32", kv_cache_tokens=2048, numerics="exact").model.named_modules())
+    for name, layer in served.items():
+        weight = exact[name].weight.float()
+        error = (layer.dequantized_weight() - weight).abs().max() / weight.abs().max()
+        assert error < (2e-3 if layer.bits == 4 else 1e-2), (name, float(error))  # fp16 d, m / Q8_0 re-rounding
+    outputs = fast.chat(CONVERSATIONS, GREEDY)
+    assert all(o.token_ids for o in outputs)
+
+
 def test_text_gguf_alone_is_the_gemma3_text_model(tmp_path: Path) -> None:
     """Without its mmproj the text file is Gemma3ForCausalLM (the decoder alone): its greedy text tokens are
     Transformers' Gemma 3's, and an image is the request's error, not a crash."""
