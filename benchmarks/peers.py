@@ -392,7 +392,7 @@ class LlamaCpp:
 
     def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
         """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
-        out = GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
+        out = converted_path(hf_dir, outtype, mmproj)
         converter = [sys.executable, str(CONVERT_SCRIPT), "convert", str(self.tree), "--"]
         cmd = [*converter, str(hf_dir), "--outtype", outtype, *extra]
         return _made_once(out, lambda tmp: [*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])])
@@ -402,6 +402,21 @@ class LlamaCpp:
         tool = str(self.server.parent / "llama-quantize")
         out = src.with_name(src.name.rsplit("-", 1)[0] + f"-{qtype}.gguf")
         return _made_once(out, lambda tmp: [tool, str(src), str(tmp), qtype, str(os.cpu_count() or 2)])
+
+    def quantized(self, hf_dir: Path, qtype: str, source_type: str, extra: tuple[str, ...] = (),
+                  keep_source: bool = True) -> Path:  # fmt: skip
+        """`qtype` by llama-quantize from the converter's `source_type` file of `hf_dir`, which is not converted again
+        while the quantized file exists; without `keep_source` it is deleted afterwards (a 7B's BF16 is 15 GB)."""
+        out = GGUF_CACHE / f"{hf_dir.name}-{qtype}.gguf"  # what `quantize` names it
+        made = out if out.exists() else self.quantize(self.convert(hf_dir, source_type, extra=extra), qtype)
+        if not keep_source:
+            converted_path(hf_dir, source_type).unlink(missing_ok=True)
+        return made
+
+
+def converted_path(hf_dir: Path, outtype: str, mmproj: bool = False) -> Path:
+    """Where `LlamaCpp.convert` writes the converter's file of a checkpoint."""
+    return GGUF_CACHE / f"{hf_dir.name}-{'mmproj-' if mmproj else ''}{outtype}.gguf"
 
 
 def _made_once(out: Path, command: Callable[[Path], list[str]]) -> Path:
@@ -444,14 +459,16 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
         if llama is None:
             raise FileNotFoundError("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or --build")
         kind = variant.upper()
+        # A quantized checkpoint's row names the unquantized weights it was made from: llama.cpp converts those.
+        source = model.gguf_source() if getattr(model, "gguf_source", None) else hf_dir
         if kind == "Q4_1" and model.shipped_q4_1:
             gguf = shipped_q4_1()
         elif kind in LLAMA_TYPES:
-            gguf = llama.convert(hf_dir, LLAMA_TYPES[kind], extra=model.convert_args)
+            gguf = llama.convert(source, LLAMA_TYPES[kind], extra=model.convert_args)
         else:  # a llama-quantize type, from the model's lossless conversion
-            gguf = llama.quantize(llama.convert(hf_dir, model.quantize_from, extra=model.convert_args), kind)
+            gguf = llama.quantized(source, kind, model.quantize_from, model.convert_args)
         mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
-        args = ("--mmproj", str(llama.convert(hf_dir, mmproj_type, mmproj=True))) if model.vision else ()
+        args = ("--mmproj", str(llama.convert(source, mmproj_type, mmproj=True))) if model.vision else ()
         ctx = kv_tokens or (model.llama_ctx(hf_dir, slots) if model.llama_ctx else 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
