@@ -2,8 +2,9 @@
 (testkit/paddleocr_vl_checkpoints.py): the NaViT encoder and the merge projector equal Transformers' bit for
 bit in fp32 on packed images of odd sizes, the resampled position table equals torch's own bilinear
 F.interpolate, the prompt's M-RoPE positions equal Transformers' get_rope_index, both weight namings load
-(the released files' `mlp_AR.*` / `visual.*` / `model.*` and Transformers 5's in-memory names), the bf16
-tower stays near fp32, and a config with biases on every projection is refused."""
+(the released files' `mlp_AR.*` / `visual.*` / `model.*` and Transformers 5's in-memory names), prefill chunks
+ending inside an image equal Transformers' greedy tokens, the bf16 tower stays near fp32, and a config with
+biases on every projection is refused."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import to_hf_messages
+from tests.conftest import hf_greedy, make_image, to_hf_messages, user
 from tests.family_table import exact_engine, family, hf_model
+from vlm_engine import Engine
 from vlm_engine.models import loader, registry
 from vlm_engine.models.families.paddleocr_vl.vision import encoder_plan
 
@@ -86,6 +88,19 @@ def test_positions_equal_transformers_rope_index() -> None:
         prompt = engine.process_messages(conversation)
         assert prompt.positions.tolist() == want[:, 0].tolist()
         assert prompt.position_delta == int(delta[0, 0])
+
+
+@pytest.mark.slow
+def test_chunked_prefill_cutting_through_an_image_equals_transformers() -> None:
+    """16-token prefill chunks: two chunk boundaries fall inside the image's 35 placeholders."""
+    conversation = user(make_image(200, 150, 8), "Read it.")
+    engine = Engine(
+        str(PADDLEOCR_VL.path), dtype="float32", numerics="exact", max_num_batched_tokens=16, kv_cache_tokens=512
+    )
+    (span,) = engine.process_messages(conversation).media_spans
+    assert span.offset < 16 and span.end > 32
+    out = engine.chat([conversation], PADDLEOCR_VL.greedy)[0]
+    assert out.token_ids == hf_greedy(hf_model(PADDLEOCR_VL), conversation, PADDLEOCR_VL.max_tokens)
 
 
 def test_transformers_names_load_as_the_released_ones() -> None:
