@@ -225,7 +225,7 @@ FAMILIES: tuple[Family, ...] = (
         releases=PADDLEOCR_VL_RELEASES,
         release_prefixes=("model.", "visual.vision_model.", "mlp_AR.", "lm_head."),
         # the encoder's packing table, which Transformers ignores on load too
-        leftover=("PaddleOCR-VL", "visual.vision_model.embeddings.packing_position_embedding.weight", (3,),
+        leftover=("PaddleOCR-VL", "visual.vision_model.embeddings.packing_position_embedding.weight", (32768, 1152),
                   "visual.vision_model.embeddings.packing_position_embedding.weight"),
         wrong_shape=("PaddleOCR-VL", "mlp_AR.linear_1.weight"),
     ),

@@ -297,15 +297,17 @@ GEMMA3_RELEASES = {name: Release(lambda name=name: gemma3_config(name), GEMMA3_R
 
 
 # ---- PaddleOCR-VL --------------------------------------------------------------------------------------
-# PaddlePaddle/PaddleOCR-VL (0.9B)'s config.json is flat: the ERNIE-4.5-0.3B text values at the top level,
-# `vision_config` nested (model_type "paddleocr_vl", which PaddleOCRVLConfig maps to its vision config). The
-# values are Transformers 5.25's PaddleOCRTextConfig / PaddleOCRVisionConfig defaults, which its docstrings
-# give as PaddlePaddle/PaddleOCR-VL's, cross-checked against the candle and mlx-vlm ports' defaults and a
-# public test fixture that mirrors the released file's keys (rope_scaling with mrope_section [16, 24, 24],
-# rope_theta 500000, use_bias false, tie_word_embeddings false). Not confirmed against the hub file itself:
-# whether its safetensors hold `lm_head.weight` (Transformers 5.25 reads this flat config as tied).
+# PaddlePaddle/PaddleOCR-VL (0.9B)'s config.json values. The values are Transformers 5.25's PaddleOCRTextConfig /
+# PaddleOCRVisionConfig defaults, which its docstrings give as PaddlePaddle/PaddleOCR-VL's, cross-checked against
+# the candle and mlx-vlm ports' defaults and a public test fixture that mirrors the released file's keys
+# (rope_scaling with mrope_section [16, 24, 24], rope_theta 500000, use_bias false, tie_word_embeddings false);
+# not checked against the hub file itself. The file is flat (text values at the top level), which Transformers
+# 5.25 reads as tied; but the released safetensors store their own `lm_head.weight` (a public PaddleOCR-VL loader
+# builds an untied head and requires every key), so Transformers' loader unties it again: the release is served
+# untied, as this nested config says (tests/test_paddleocr_vl_family.py serves the flat form).
 # Names: the released files name the projector `mlp_AR.*`, the encoder `visual.vision_model.*`, the decoder
-# `model.*` (Transformers' conversion_mapping "paddleocr_vl" renames them on load, and back on save).
+# `model.*` (Transformers' conversion_mapping "paddleocr_vl" renames them on load, and back on save); they also
+# hold the encoder's unused `packing_position_embedding` (32768 x 1152) and pooling `head`, which Transformers skips.
 PADDLEOCR_VL_TEXT = {
     "vocab_size": 103424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
     "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "hidden_act": "silu",
@@ -326,8 +328,9 @@ def paddleocr_vl_config() -> Any:
     from transformers import PaddleOCRVLConfig
 
     return PaddleOCRVLConfig(
-        **PADDLEOCR_VL_TEXT, vision_config=dict(PADDLEOCR_VL_VISION), image_token_id=100295,
-        vision_start_token_id=101305, vision_end_token_id=101306, architectures=["PaddleOCRVLForConditionalGeneration"],
+        text_config=dict(PADDLEOCR_VL_TEXT), vision_config=dict(PADDLEOCR_VL_VISION), tie_word_embeddings=False,
+        image_token_id=100295, vision_start_token_id=101305, vision_end_token_id=101306,
+        architectures=["PaddleOCRVLForConditionalGeneration"],
     )  # fmt: skip
 
 

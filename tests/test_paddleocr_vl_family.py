@@ -9,6 +9,9 @@ biases on every projection is refused."""
 from __future__ import annotations
 
 import copy
+import json
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import hf_greedy, make_image, to_hf_messages, user
-from tests.family_table import exact_engine, family, hf_model
+from tests.family_table import exact_engine, family, hf_model, references
 from vlm_engine import Engine
 from vlm_engine.models import loader, registry
 from vlm_engine.models.families.paddleocr_vl.vision import encoder_plan
@@ -101,6 +104,28 @@ def test_chunked_prefill_cutting_through_an_image_equals_transformers() -> None:
     assert span.offset < 16 and span.end > 32
     out = engine.chat([conversation], PADDLEOCR_VL.greedy)[0]
     assert out.token_ids == hf_greedy(hf_model(PADDLEOCR_VL), conversation, PADDLEOCR_VL.max_tokens)
+
+
+@pytest.mark.slow
+def test_a_flat_config_with_its_own_lm_head_is_served_untied(tmp_path: Path) -> None:
+    """The released config.json's flat form (text values at the top, `tie_word_embeddings: false`), which
+    Transformers reads as tied, beside a file that stores its own lm_head: untied, as Transformers loads it."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    checkpoint = tmp_path / "flat"
+    shutil.copytree(PADDLEOCR_VL.path, checkpoint)
+    nested = json.loads((checkpoint / "config.json").read_text())
+    text = nested.pop("text_config")
+    for key in ("model_type", "architectures", "dtype", "tie_word_embeddings"):
+        text.pop(key, None)
+    nested["vision_config"]["model_type"] = "paddleocr_vl"
+    (checkpoint / "config.json").write_text(json.dumps({**nested, **text, "tie_word_embeddings": False}))
+    engine = Engine(str(checkpoint), dtype="float32", numerics="exact", kv_cache_tokens=512)
+    assert engine.model.lm_head.weight is not engine.model.model.embed_tokens.weight
+    hf = AutoModelForImageTextToText.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    conversation = PADDLEOCR_VL.conversations[1]
+    want = hf_greedy((hf, AutoProcessor.from_pretrained(str(checkpoint))), conversation, PADDLEOCR_VL.max_tokens)
+    assert engine.chat([conversation], PADDLEOCR_VL.greedy)[0].token_ids == want == references(PADDLEOCR_VL)[1]
 
 
 def test_transformers_names_load_as_the_released_ones() -> None:
