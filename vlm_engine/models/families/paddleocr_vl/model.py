@@ -5,7 +5,8 @@ ERNIE-4.5's Llama-shaped layers without biases), the NaViT encoder and the 2x2 m
 Names: ours are `model.*` (decoder), `visual.vision_model.*` (encoder), `projector.*`. The released
 PaddlePaddle/PaddleOCR-VL files name the projector `mlp_AR.*` and the rest as ours; Transformers 5 renames
 them on load (its conversion_mapping "paddleocr_vl": mlp_AR -> model.projector, visual -> model.visual,
-model -> model.language_model) and saves its own names, so both namings load here. The released encoder's
+model -> model.language_model) and back on save (the tiny test checkpoints hold the released names). Both
+namings load here. The released encoder's
 `packing_position_embedding` and `head` tensors, which Transformers ignores too, are reported unused.
 
 The LM head: the released config.json is flat (text values at the top level) and says
