@@ -20,6 +20,7 @@ from tests.conftest import hf_greedy, make_image, user
 from tests.released_configs import (
     GEMMA3_RELEASES,
     IDEFICS3_RELEASES,
+    PADDLEOCR_VL_RELEASES,
     QWEN2_5_VL_RELEASES,
     QWEN3_5_MOE_RELEASES,
     QWEN3_5_RELEASES,
@@ -30,6 +31,7 @@ from tests.released_configs import (
 )
 from testkit.checkpoints import cached_qwen2_vl
 from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.paddleocr_vl_checkpoints import cached_paddleocr_vl
 from testkit.qwen3_5_checkpoints import cached_qwen3_5
 from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 from testkit.smolvlm_checkpoints import cached_smolvlm
@@ -213,6 +215,19 @@ FAMILIES: tuple[Family, ...] = (
         # the pooling head Gemma 3 does not use
         leftover=("gemma-3-4b-it", "vision_tower.vision_model.head.attention.in_proj_weight", (3,),
                   "vision_tower.head.attention.in_proj_weight"),
+    ),
+    # NaViT encoder at native resolution (one attention segment per image) and ERNIE-4.5 with M-RoPE.
+    Family(
+        "paddleocr-vl", lambda: cached_paddleocr_vl("tiny"), ("PaddleOCRVLForConditionalGeneration",),
+        [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=3, videos=False,
+        # 48-token chunks split the images' placeholder runs (up to 64 tokens); a pool of about two prompts
+        preempted=QWEN_VL_PREEMPTED,
+        releases=PADDLEOCR_VL_RELEASES,
+        release_prefixes=("model.", "visual.vision_model.", "mlp_AR.", "lm_head."),
+        # the encoder's packing table, which Transformers ignores on load too
+        leftover=("PaddleOCR-VL", "visual.vision_model.embeddings.packing_position_embedding.weight", (32768, 1152),
+                  "visual.vision_model.embeddings.packing_position_embedding.weight"),
+        wrong_shape=("PaddleOCR-VL", "mlp_AR.linear_1.weight"),
     ),
 )  # fmt: skip
 

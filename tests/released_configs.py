@@ -294,3 +294,44 @@ def gemma3_config(name: str) -> Any:
 
 
 GEMMA3_RELEASES = {name: Release(lambda name=name: gemma3_config(name), GEMMA3_RENAMES) for name in GEMMA3_TEXT}
+
+
+# ---- PaddleOCR-VL --------------------------------------------------------------------------------------
+# PaddlePaddle/PaddleOCR-VL (0.9B)'s config.json values. The values are Transformers 5.25's PaddleOCRTextConfig /
+# PaddleOCRVisionConfig defaults, which its docstrings give as PaddlePaddle/PaddleOCR-VL's, cross-checked against
+# the candle and mlx-vlm ports' defaults and a public test fixture that mirrors the released file's keys
+# (rope_scaling with mrope_section [16, 24, 24], rope_theta 500000, use_bias false, tie_word_embeddings false);
+# not checked against the hub file itself. The file is flat (text values at the top level), which Transformers
+# 5.25 reads as tied; but the released safetensors store their own `lm_head.weight` (a public PaddleOCR-VL loader
+# builds an untied head and requires every key), so Transformers' loader unties it again: the release is served
+# untied, as this nested config says (tests/test_paddleocr_vl_family.py serves the flat form).
+# Names: the released files name the projector `mlp_AR.*`, the encoder `visual.vision_model.*`, the decoder
+# `model.*` (Transformers' conversion_mapping "paddleocr_vl" renames them on load, and back on save); they also
+# hold the encoder's unused `packing_position_embedding` (32768 x 1152) and pooling `head`, which Transformers skips.
+PADDLEOCR_VL_TEXT = {
+    "vocab_size": 103424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "use_bias": False, "tie_word_embeddings": False,
+    "rope_theta": 500000, "rope_scaling": {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"},
+}  # fmt: skip
+PADDLEOCR_VL_VISION = {
+    "model_type": "paddleocr_vl", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_channels": 3, "image_size": 384, "patch_size": 14, "hidden_act": "gelu_pytorch_tanh",
+    "layer_norm_eps": 1e-6, "spatial_merge_size": 2,
+}  # fmt: skip
+PADDLEOCR_VL_RENAMES = (
+    ("model.projector.", "mlp_AR."), ("model.visual.", "visual."), ("model.language_model.", "model."),
+)  # fmt: skip
+
+
+def paddleocr_vl_config() -> Any:
+    from transformers import PaddleOCRVLConfig
+
+    return PaddleOCRVLConfig(
+        text_config=dict(PADDLEOCR_VL_TEXT), vision_config=dict(PADDLEOCR_VL_VISION), tie_word_embeddings=False,
+        image_token_id=100295, vision_start_token_id=101305, vision_end_token_id=101306,
+        architectures=["PaddleOCRVLForConditionalGeneration"],
+    )  # fmt: skip
+
+
+PADDLEOCR_VL_RELEASES = {"PaddleOCR-VL": Release(paddleocr_vl_config, PADDLEOCR_VL_RENAMES)}

@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",
     "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
+    "PaddleOCRVLForConditionalGeneration": "vlm_engine.models.families.paddleocr_vl",
 }
 
 # Models whose weights ship inside registry packages, so the engine has real weights offline:
