@@ -3,7 +3,7 @@
 two odd images in one pass (Pixtral's [IMG_BREAK] / [IMG_END] rows being those tokens' embeddings), images
 kept apart within one pass (the block-diagonal mask), LightOnOCR's odd patch rows left out of the merge,
 the untied LM head of a config that names no top-level tie (Mistral-Small-3.1's), and the bf16 fast path
-(our flash attention in the tower, fused decoder) against bf16 exact."""
+(our flash attention over the tower's image segments, fused decoder) against fp32 and bf16 exact."""
 
 from __future__ import annotations
 
@@ -100,15 +100,24 @@ def test_a_config_untied_in_its_text_part_keeps_its_own_lm_head() -> None:
     assert model.lm_head.weight is not model.model.embed_tokens.weight
 
 
-def test_bf16_fast_path_agrees_with_bf16_exact(ops: object) -> None:
-    """bf16 fast numerics (our flash attention over the tower's image segments, patch embedding as a GEMM,
-    fused decoder) against bf16 exact: greedy tokens agree for most of the run."""
-    path = str(family("mistral3").path)
-    fast = Engine(path, dtype="bfloat16", kv_cache_tokens=2048, numerics="fast")
-    exact = Engine(path, dtype="bfloat16", kv_cache_tokens=2048, numerics="exact")
+def test_bf16_fast_path(ops: object) -> None:
+    """bf16 fast numerics: the tower's attention is our flash kernel over each image's segment (several images
+    in one call, kept apart), its patch embedding a GEMM; image rows stay near fp32 exact's (bf16 rounding:
+    torch's SDPA in bf16 is as far), and greedy tokens agree with bf16 exact for most of the run."""
+    row = family("mistral3")
+    fast = Engine(str(row.path), dtype="bfloat16", kv_cache_tokens=2048, numerics="fast")
     assert fast.runner.fused_ops is not None
     assert tower_flash_attention(torch.zeros(1, dtype=torch.bfloat16)) is not None
-    row = family("mistral3")
+    media = exact_engine(row).process_messages(row.conversations[TWO_ODD_IMAGES]).media
+    pixels, grids = [m.pixel_values for m in media], [m.grid_thw for m in media]
+    with torch.inference_mode():
+        want = exact_engine(row).model.encode_media(pixels, grids)
+        together = fast.model.encode_media(pixels, grids)
+        alone = [fast.model.encode_media([p], [g])[0] for p, g in zip(pixels, grids)]
+    for w, both, one in zip(want, together, alone):
+        assert ((both.float() - w).norm() / w.norm()).item() < 0.05  # 0.017 and 0.024 seen
+        torch.testing.assert_close(both, one)
+    exact = Engine(str(row.path), dtype="bfloat16", kv_cache_tokens=2048, numerics="exact")
     params = SamplingParams(max_tokens=row.max_tokens, temperature=0.0, ignore_eos=True)
     convs = row.conversations[1:3]
     outs = zip(fast.chat(convs, params), exact.chat(convs, params))
