@@ -69,6 +69,30 @@ def test_one_image_through_the_tower_equals_transformers_bit_for_bit(row: Any) -
         assert torch.equal(engine.model.vision_tower([image]), want)
 
 
+def test_an_earlier_feature_layer_is_transformers_hidden_state() -> None:
+    """`vision_feature_layer` indexes the tower's hidden states as Transformers does (0: ln_pre's output)."""
+    row = family("mistral3")
+    engine = exact_engine(row)
+    image = engine.process_messages(row.conversations[1]).media[0].pixel_values
+    hf_tower = hf_model(row)[0].model.vision_tower
+    with torch.inference_mode():
+        states = hf_tower(image, image_sizes=[tuple(image.shape[-2:])], output_hidden_states=True).hidden_states
+        for layer in (0, 1, -2):
+            assert torch.equal(engine.model.vision_tower([image], (layer,)), states[layer][0])
+
+
+def test_an_unknown_text_model_is_refused() -> None:
+    """Ministral 3's text model (model_type "ministral3": its own attention scaling) is not Mistral's decoder."""
+    from transformers import Mistral3Config
+
+    text = {**MISTRAL_SMALL_3_1["text_config"], "model_type": "ministral3"}
+    config = Mistral3Config(
+        **{**MISTRAL_SMALL_3_1, "text_config": text}, architectures=["Mistral3ForConditionalGeneration"]
+    )
+    with pytest.raises(NotImplementedError, match="ministral3"):
+        meta_model(config)
+
+
 def test_lightonocr_images_have_odd_patch_rows() -> None:
     """LightOnOCR's processor sizes images to patch multiples, so a last odd row of patches is left out of
     the 2 x 2 merge (as torch's unfold leaves it): the matrix's images include such ones."""

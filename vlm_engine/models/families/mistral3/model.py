@@ -70,8 +70,13 @@ class PixtralVLM(CausalLM):
     encoder_modules = ("vision_tower", "multi_modal_projector")  # prefill-sized products only
     feature_layer = -1
 
+    text_model_types: tuple[str, ...] = ()  # the text configs whose decoder the shared one is
+
     def __init__(self, config: Any, projector: Mistral3Projector, **decoder_options: Any) -> None:
         text = config.text_config
+        if text.model_type not in self.text_model_types:
+            # e.g. Ministral 3's text model (its own attention scaling), which the shared decoder does not have
+            raise NotImplementedError(f"{type(self).__name__} with a {text.model_type!r} text model")
         if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
             # Mistral-Small-3.1 and LightOnOCR have none; a windowed Mistral would need the window pool
             raise NotImplementedError(f"{type(self).__name__} with sliding_window={text.sliding_window}")
@@ -124,6 +129,7 @@ class Mistral3ForConditionalGeneration(PixtralVLM):
         ("model.vision_tower.", "vision_tower."),
         ("model.multi_modal_projector.", "multi_modal_projector."),
     )
+    text_model_types = ("mistral",)
 
     def __init__(self, config: Any) -> None:
         projector = Mistral3Projector(config, config.projector_hidden_act, bool(config.multimodal_projector_bias))
@@ -139,6 +145,7 @@ class LightOnOcrForConditionalGeneration(PixtralVLM):
         ("model.vision_encoder.", "vision_tower."),
         ("model.vision_projection.", "multi_modal_projector."),
     )
+    text_model_types = ("qwen3",)
 
     def __init__(self, config: Any) -> None:
         super().__init__(config, Mistral3Projector(config, "gelu", bias=False), qk_norm=True)
