@@ -16,10 +16,19 @@ from typing import Any
 
 import torch
 
+from testkit.checkpoints import cached_qwen2_vl
+from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.mistral3_checkpoints import cached_mistral3
+from testkit.paddleocr_vl_checkpoints import cached_paddleocr_vl
+from testkit.qwen3_5_checkpoints import cached_qwen3_5
+from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
+from testkit.smolvlm_checkpoints import cached_smolvlm
 from tests.conftest import hf_greedy, make_image, user
 from tests.released_configs import (
     GEMMA3_RELEASES,
     IDEFICS3_RELEASES,
+    LIGHTONOCR_RELEASES,
+    MISTRAL3_RELEASES,
     PADDLEOCR_VL_RELEASES,
     QWEN2_5_VL_RELEASES,
     QWEN3_5_MOE_RELEASES,
@@ -29,12 +38,6 @@ from tests.released_configs import (
     SMOLVLM_RELEASES,
     Release,
 )
-from testkit.checkpoints import cached_qwen2_vl
-from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
-from testkit.paddleocr_vl_checkpoints import cached_paddleocr_vl
-from testkit.qwen3_5_checkpoints import cached_qwen3_5
-from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
-from testkit.smolvlm_checkpoints import cached_smolvlm
 from vlm_engine import Engine, SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -228,6 +231,26 @@ FAMILIES: tuple[Family, ...] = (
         leftover=("PaddleOCR-VL", "visual.vision_model.embeddings.packing_position_embedding.weight", (32768, 1152),
                   "visual.vision_model.embeddings.packing_position_embedding.weight"),
         wrong_shape=("PaddleOCR-VL", "mlp_AR.linear_1.weight"),
+    ),
+    # Pixtral at native resolution: two odd images go through one tower pass, kept apart; an image's span is
+    # its whole [IMG] / [IMG_BREAK] / [IMG_END] block.
+    Family(
+        "mistral3", lambda: cached_mistral3("tiny"), ("Mistral3ForConditionalGeneration",),
+        [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=1, videos=False,
+        # 24-token chunks end inside images' runs (up to 48 tokens); a pool of about two prompts makes the batch preempt.
+        preempted={"kv_cache_tokens": 160, "max_num_batched_tokens": 24, "page_size": 8},
+        releases=MISTRAL3_RELEASES,
+        release_prefixes=("language_model.model.", "language_model.lm_head.", "vision_tower.", "multi_modal_projector."),
+        leftover=("Mistral-Small-3.1-24B-Instruct-2503", "vision_tower.transformer.layers.24.ffn_norm.weight", (1024,),
+                  "vision_tower.transformer.layers.24.ffn_norm.weight"),
+        wrong_shape=("Mistral-Small-3.1-24B-Instruct-2503", "patch_merger.merging_layer.weight"),
+    ),
+    Family(
+        "lightonocr", lambda: cached_mistral3("tiny-lightonocr"), ("LightOnOcrForConditionalGeneration",),
+        [*base_conversations(), WIDE_IMAGE], (*BASE_NAMES, "wide-image"), position_axes=1, videos=False,
+        preempted={"kv_cache_tokens": 160, "max_num_batched_tokens": 24, "page_size": 8},
+        releases=LIGHTONOCR_RELEASES,
+        release_prefixes=("model.language_model.", "model.vision_encoder.", "model.vision_projection."),
     ),
 )  # fmt: skip
 

@@ -335,3 +335,65 @@ def paddleocr_vl_config() -> Any:
 
 
 PADDLEOCR_VL_RELEASES = {"PaddleOCR-VL": Release(paddleocr_vl_config, PADDLEOCR_VL_RENAMES)}
+# ---- Mistral 3, LightOnOCR -------------------------------------------------------------------------------
+
+# Mistral-Small-3.1-24B-Instruct-2503's config.json (as quoted verbatim in a public config-parser test,
+# brolm's mistral3_config test; the same values are Transformers' Mistral3Config defaults). It names no
+# top-level tie_word_embeddings: Transformers 5 then ties (Mistral3Config's default) although the text config
+# is untied and the file stores `language_model.lm_head.weight`; the release here says untied, as the file is.
+MISTRAL_SMALL_3_1 = {
+    "text_config": {
+        "model_type": "mistral", "head_dim": 128, "hidden_size": 5120, "intermediate_size": 32768,
+        "max_position_embeddings": 131072, "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072,
+    },
+    "vision_config": {
+        "model_type": "pixtral", "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540,
+        "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14,
+        "rope_theta": 10000.0,
+    },
+    "image_token_index": 10, "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "vision_feature_layer": -1,
+}  # fmt: skip
+# The file's names are Llava's (Transformers' conversion mapping "llava", which Mistral3 uses).
+MISTRAL3_RENAMES = (
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+# LightOnOCR-1B-1025: Transformers' LightOnOcrConfig defaults, which its docstring names as this checkpoint's
+# (Pixtral as in Mistral Small 3.1; a Qwen3-0.6B-sized text model, tied; image token 151655). Its config.json
+# itself was not found to confirm them; the names are Transformers 5's (no conversion mapping for lighton_ocr).
+LIGHTONOCR_1B = {
+    "vision_config": {
+        "model_type": "pixtral", "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540,
+        "intermediate_size": 4096, "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+    },
+    "text_config": {
+        "model_type": "qwen3", "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000, "sliding_window": None, "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "spatial_merge_size": 2, "image_token_id": 151655, "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def mistral3_release_config() -> Any:
+    from transformers import Mistral3Config
+
+    return Mistral3Config(
+        **MISTRAL_SMALL_3_1, tie_word_embeddings=False, architectures=["Mistral3ForConditionalGeneration"]
+    )
+
+
+def lightonocr_release_config() -> Any:
+    from transformers import LightOnOcrConfig
+
+    return LightOnOcrConfig(**LIGHTONOCR_1B, architectures=["LightOnOcrForConditionalGeneration"])
+
+
+MISTRAL3_RELEASES = {"Mistral-Small-3.1-24B-Instruct-2503": Release(mistral3_release_config, MISTRAL3_RENAMES)}
+LIGHTONOCR_RELEASES = {"LightOnOCR-1B-1025": Release(lightonocr_release_config)}

@@ -44,6 +44,8 @@ ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "vlm_engine.models.families.smolvlm",
     "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",
     "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
+    "Mistral3ForConditionalGeneration": "vlm_engine.models.families.mistral3",
+    "LightOnOcrForConditionalGeneration": "vlm_engine.models.families.mistral3",
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
     "PaddleOCRVLForConditionalGeneration": "vlm_engine.models.families.paddleocr_vl",
 }
