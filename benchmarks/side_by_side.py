@@ -69,6 +69,22 @@ MULTIMODAL_COLUMNS = (
     Column("mean_output_tokens", "out tokens (mean)", "joined"), Column("mean_prompt_tokens", "prompt tokens", "joined"),
     Column("ok", "ok / sent", "joined"),
 )  # fmt: skip
+QUANTIZED_7B_COLUMNS = (
+    Column("request_throughput", "req/s"), Column("output_throughput", "out tok/s"), TTFT,
+    Column("tpot.p50", "TPOT p50 ms", "joined"), Column("mean_prompt_tokens", "prompt tokens", "joined"),
+    Column("ok", "ok / sent", "joined"),
+)  # fmt: skip
+
+
+def quantized_7b_plans(fmt: str) -> tuple[Plan, ...]:
+    """On `qwen2.5-vl-7b-<fmt>`: image chat (fresh 640x480 photos, 64 tokens) at 1 and 8; decode: text chat pinned
+    to 128 tokens at 1 and 16."""
+    model = f"qwen2.5-vl-7b-{fmt}"
+    return (Plan(f"{fmt} imagechat", "imagechat", model, (1, 8), min_requests=2, per_slot=2),
+            Plan(f"{fmt} decode", "textchat", model, (1, 16), min_requests=2, per_slot=1,
+                 overrides={"output_tokens": (128, 128)}))  # fmt: skip
+
+
 IMAGE_PLANS = tuple(Plan(w, w, "qwen2.5-vl-3b", (1, 8), min_requests=1, per_slot=1) for w in ("placard", "imagechat"))
 
 SUITES: dict[str, Suite] = {
@@ -145,6 +161,15 @@ SUITES: dict[str, Suite] = {
         tuple(Plan(w, w, "qwen3.5-2b", (1, 8), min_requests=2, per_slot=2) for w in ("data", "imagechat")),
         ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
         ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
+    ),  # fmt: skip
+    # Issue 51: the Qwen2.5-VL-7B-shaped weights quantized by the tools (benchmarks/quantized_7b.py makes the files):
+    # image chat at concurrency 1 and 8, decode (128 tokens a text request) at batch 1 and 16, RSS; ours and vLLM's
+    # CPU build on the same AWQ, then W8A8, directory; llama.cpp on the Q4_K_M GGUF of the bf16 weights beside each
+    # (the same server twice). 32,768 KV tokens a side, as the bf16 7B suite.
+    "qwen2.5-vl-7b-quantized": Suite(
+        quantized_7b_plans("awq") + quantized_7b_plans("w8a8"),
+        ("ours", "llama.cpp Q4_K_M + mmproj", "vllm bf16"), QUANTIZED_7B_COLUMNS,
+        ratios=(("ours", "llama.cpp Q4_K_M + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
     ),  # fmt: skip
     # vLLM's CPU build (PEERS.md: benchmarks/.vllm-venv): SmolLM2 chat and the data processor, bf16.
     "vllm": Suite(
