@@ -222,6 +222,7 @@ TEXT_ARCHITECTURES = {
     "MistralForCausalLM": "the Llama family's code (a Llama config)",
     "Qwen2ForCausalLM": "testkit/scripted.py (tests/test_tool_calls.py)",
     "Gemma3ForCausalLM": "gemma-3-1b-it's names (tests/test_gemma3_family.py)",
+    "Gemma4ForCausalLM": "tests/test_gemma4_family.py (tiny checkpoints; gemma-4-E2B / E4B text names)",
     "Qwen3NextForCausalLM": "tests/test_qwen3_5_family.py (a tiny checkpoint; Qwen3-Next-80B-A3B's names)",
     "PlacardForConditionalGeneration": "the default model (tests/test_placard_model.py)",
 }

@@ -294,3 +294,34 @@ def gemma3_config(name: str) -> Any:
 
 
 GEMMA3_RELEASES = {name: Release(lambda name=name: gemma3_config(name), GEMMA3_RENAMES) for name in GEMMA3_TEXT}
+
+
+# ---- Gemma 4 (text models) -------------------------------------------------------------------------------
+
+# The text_config values of gemma-4-E2B-it / gemma-4-E4B-it's config.json, as public ports' test fixtures
+# reproduce them (not read from the Hugging Face files themselves, which this workplace cannot reach): E2B
+# in a Rust and a Swift test of Gemma4ForConditionalGeneration configs, E4B in a Go (MLX) test and a
+# from-scratch notebook. The rest are Gemma4TextConfig's defaults, which those fixtures agree with:
+# rope theta 1e4 (sliding) / 1e6 proportional over a quarter of the 512 dims (global), vocabulary 262,144,
+# per-layer inputs of 256, final logits soft-capped at 30, 131,072 positions, tied embeddings.
+GEMMA4_TEXT = {
+    "gemma-4-E2B": {
+        "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "sliding_window": 512,
+        "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 256,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+    },
+    "gemma-4-E4B": {
+        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512, "sliding_window": 512,
+        "num_kv_shared_layers": 18, "use_double_wide_mlp": False, "hidden_size_per_layer_input": 256,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+    },
+}  # fmt: skip
+
+
+def gemma4_text_config(name: str, **overrides: Any) -> Any:
+    """A released Gemma 4 text config (Gemma4ForCausalLM), with `overrides` on top."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(**{**GEMMA4_TEXT[name], **overrides}, architectures=["Gemma4ForCausalLM"])

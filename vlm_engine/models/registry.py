@@ -44,6 +44,7 @@ ARCHITECTURES: dict[str, str] = {
     "Idefics3ForConditionalGeneration": "vlm_engine.models.families.smolvlm",
     "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",
     "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
+    "Gemma4ForCausalLM": "vlm_engine.models.families.gemma4",
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
 }
 

@@ -1,0 +1,107 @@
+"""Deterministic, offline Gemma 4 text checkpoints (Gemma4ForCausalLM) for tests.
+
+Random weights from the real `Gemma4TextConfig`, and Gemma 3's test tokenizer and chat template
+(`testkit.gemma3_checkpoints`: the trained byte-level BPE with Gemma's specials; the text model does
+not care which Gemma turn markup renders the prompt).
+
+    cached_gemma4(preset="tiny" | "tiny-shared", seed=0) -> Path
+
+"tiny": 6 layers (sliding, sliding, full) x 2 with a 16-token window; sliding heads of 16 dims and
+2 KV heads, global heads of 32 dims with `attention_k_eq_v` and 1 global KV head; proportional RoPE
+(a quarter of the frequencies turn) on the global layers; per-layer inputs of 8 per layer;
+final logits soft-capped at 30.
+"tiny-shared": the same with the last 3 layers KV-shared (they read layers 1 and 2's KV) and the
+double-wide MLP on them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from testkit.checkpoints import RandomCheckpoint, cached_random_checkpoint
+from testkit.gemma3_checkpoints import GEMMA3_SPECIAL_TOKENS, _build_tokenizer
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+WINDOW = 16
+
+_TINY: dict[str, Any] = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True, "max_position_embeddings": 1024, "sliding_window": WINDOW,
+    "layer_types": [SLIDING, SLIDING, FULL] * 2, "hidden_size_per_layer_input": 8,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
+
+GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"text": _TINY, "std": 0.2, "norm_std": 0.1, "dtype": "float32"},
+    "tiny-shared": {
+        "text": {**_TINY, "num_kv_shared_layers": 3, "use_double_wide_mlp": True},
+        "std": 0.2,
+        "norm_std": 0.1,
+        "dtype": "float32",
+    },
+}
+
+
+def gemma4_text_config(spec: dict[str, Any], token_ids: dict[str, int], vocab_size: int) -> Any:
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(
+        **spec["text"],
+        vocab_size=vocab_size,
+        vocab_size_per_layer_input=vocab_size,
+        hidden_activation="gelu_pytorch_tanh",
+        rms_norm_eps=1e-6,
+        # Untied, as the tiny Gemma 3: a tied tiny model's greedy tokens repeat the prompt's last one.
+        tie_word_embeddings=False,
+        bos_token_id=token_ids["<bos>"],
+        eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
+        pad_token_id=token_ids["<pad>"],
+        architectures=["Gemma4ForCausalLM"],
+    )
+
+
+def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) -> None:
+    """Every parameter, then each layer's `layer_scalar` (a buffer), from one seeded generator:
+    matrices and embeddings N(0, std); RMSNorm scales and the layer scalars 1 + N(0, norm_std)."""
+    import torch
+
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+    with torch.no_grad():
+        for name, tensor in tensors:
+            scaled = "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_scalar")
+            values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+            tensor.copy_(values * norm_std + 1.0 if scaled else values * std)
+
+
+def _model(config: Any, dtype: Any) -> Any:
+    from transformers import Gemma4ForCausalLM
+
+    return Gemma4ForCausalLM._from_config(config, dtype=dtype)
+
+
+GEMMA4_BUILDER_VERSION = 1
+
+GEMMA4 = RandomCheckpoint(
+    f"gemma4-text-b{GEMMA4_BUILDER_VERSION}",
+    GEMMA4_PRESETS,
+    build_tokenizer=_build_tokenizer,
+    token_names=GEMMA3_SPECIAL_TOKENS,
+    config=lambda spec, token_ids, tokenizer: gemma4_text_config(spec, token_ids, len(tokenizer)),
+    model=_model,
+    init=lambda model, spec, seed: _init_deterministically(model, spec["std"], spec["norm_std"], seed),
+    generation=lambda ids: {
+        "bos_token_id": ids["<bos>"], "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]], "pad_token_id": ids["<pad>"],
+    },
+    processor=lambda spec, tokenizer: tokenizer,  # a text model: its tokenizer is all the prompt side
+)  # fmt: skip
+
+
+def cached_gemma4(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_random_checkpoint(GEMMA4, preset, seed, cache_root)
