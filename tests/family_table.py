@@ -30,6 +30,7 @@ from tests.released_configs import (
 )
 from testkit.checkpoints import cached_qwen2_vl
 from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.gemma4_checkpoints import cached_gemma4_vlm
 from testkit.qwen3_5_checkpoints import cached_qwen3_5
 from testkit.qwen_vl_checkpoints import cached_qwen2_5_vl, cached_qwen3_vl
 from testkit.smolvlm_checkpoints import cached_smolvlm
@@ -213,6 +214,16 @@ FAMILIES: tuple[Family, ...] = (
         # the pooling head Gemma 3 does not use
         leftover=("gemma-3-4b-it", "vision_tower.vision_model.head.attention.in_proj_weight", (3,),
                   "vision_tower.head.attention.in_proj_weight"),
+    ),
+    # Gemma 4 (testkit/gemma4_checkpoints.py): 60-70 soft tokens an image against a 16-token window, the
+    # last 3 of 6 layers KV-shared; the two long conversations carry images across the window.
+    Family(
+        "gemma4", lambda: cached_gemma4_vlm("tiny"), ("Gemma4ForConditionalGeneration",),
+        GEMMA3_CONVERSATIONS, (*BASE_NAMES, "images-across-window", "image-then-long-text"),
+        position_axes=1, videos=False, max_tokens=20, prefix_conversation=4, full_prefix_reuse=False,
+        # 96-token chunks (an image's span, atomic, fits one), a pool of about two prompts' worth
+        preempted={"kv_cache_tokens": 400, "max_num_batched_tokens": 96, "page_size": 16},
+        fast_conversations=[GEMMA3_CONVERSATIONS[2], GEMMA3_CONVERSATIONS[4]],
     ),
 )  # fmt: skip
 

@@ -45,6 +45,7 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "vlm_engine.models.families.gemma3",
     "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
     "Gemma4ForCausalLM": "vlm_engine.models.families.gemma4",
+    "Gemma4ForConditionalGeneration": "vlm_engine.models.families.gemma4",
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
 }
 

@@ -19,15 +19,13 @@ projection -> norm, added to the residual, and the whole layer output times a le
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 
-from preprocess.family_prompts import FamilyPrompts
 from vlm_engine.models.decoder import rope_parameters
-from vlm_engine.models.hf_prompts import TokenizerPrompts
 from vlm_engine.models.layers import ACTIVATIONS, ForwardContext, GatedMLP, MergedLinear, RotaryEmbedding, apply_rotary
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -93,6 +91,8 @@ class Gemma4Attention(nn.Module):
         self.qkv_proj = MergedLinear(config.hidden_size, shards, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.q_norm = Gemma4RMSNorm(self.head_dim, eps)
+        # With bidirectional images, Transformers keeps the global layers causal: they ignore `kv_end`.
+        self.causal_only = False
         if self.writes_kv:
             self.k_norm = Gemma4RMSNorm(self.head_dim, eps)
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps, with_scale=False)
@@ -112,7 +112,10 @@ class Gemma4Attention(nn.Module):
             k = apply_rotary(self.k_norm(k_raw), cos, sin)
             v = self.v_norm(v_raw)
         cache = ctx.kv_caches[self.kv_source]  # a KV-shared layer reads its source's pages, writes none
-        out = ctx.attn_backend.forward(q, k, v, cache, ctx.attn_meta, 1.0, window=self.window)
+        meta = ctx.attn_meta
+        if self.causal_only and meta.kv_end is not None:
+            meta = dataclasses.replace(meta, kv_end=None)
+        out = ctx.attn_backend.forward(q, k, v, cache, meta, 1.0, window=self.window)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -267,9 +270,4 @@ class Gemma4ForCausalLM(nn.Module):
         return torch.tanh(logits / self.softcap) * self.softcap
 
     def encode_media(self, inputs: list[torch.Tensor], grids: list[Any]) -> list[torch.Tensor]:
-        raise NotImplementedError("Gemma 4's vision and audio towers are not served yet")
-
-
-def gemma4_prompts(model_dir: Path, config: Any, gguf_file: str | None, video_device: str = "cpu") -> FamilyPrompts:
-    """A Gemma4ForCausalLM checkpoint's tokenizer and chat template."""
-    return TokenizerPrompts(model_dir, config, gguf_file, video_device)
+        raise NotImplementedError(f"{type(self).__name__} takes no media")
