@@ -5,7 +5,7 @@ Random weights from the real `Gemma4TextConfig`, and Gemma 3's test tokenizer an
 not care which Gemma turn markup renders the prompt).
 
     cached_gemma4(preset="tiny" | "tiny-shared", seed=0) -> Path
-    cached_gemma4_vlm(preset="tiny", seed=0) -> Path   (Gemma4ForConditionalGeneration)
+    cached_gemma4_vlm(preset="tiny" | "tiny-clipped", seed=0) -> Path   (Gemma4ForConditionalGeneration)
 
 "tiny": 6 layers (sliding, sliding, full) x 2 with a 16-token window; sliding heads of 16 dims and
 2 KV heads, global heads of 32 dims with `attention_k_eq_v` and 1 global KV head; proportional RoPE
@@ -17,6 +17,7 @@ The VLM "tiny": the "tiny-shared" text model with `use_bidirectional_attention="
 vision tower (hidden 32, 16-px patches, 3x3 pooling) and the real Gemma4ImageProcessor at its smallest
 budget (70 soft tokens an image: images are resized to at most 630 patches); its tokenizer adds
 Gemma 4's image and audio markers, and the chat template writes the image token for an image part.
+"tiny-clipped": the same with the tower's clipped linears and standardized outputs (stored buffers).
 """
 
 from __future__ import annotations
@@ -72,18 +73,30 @@ def gemma4_text_config(spec: dict[str, Any], token_ids: dict[str, int], vocab_si
     )
 
 
+# Stored buffers of the vision tower (use_clipped_linears, standardize) and their values: bound +- 1 + N(0, 0.1)
+# (they clip: the tiny tower's activations reach past 1), standardization shift N(0, 0.1), scale 1 + N(0, 0.1).
+_BUFFER_INIT = {
+    "input_min": (-1.0, 0.1), "output_min": (-1.0, 0.1), "input_max": (1.0, 0.1), "output_max": (1.0, 0.1),
+    "std_bias": (0.0, 0.1), "std_scale": (1.0, 0.1),
+}  # fmt: skip
+
+
 def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) -> None:
-    """Every parameter, then each layer's `layer_scalar` (a buffer), from one seeded generator:
-    matrices and embeddings N(0, std); RMSNorm scales and the layer scalars 1 + N(0, norm_std)."""
+    """Every parameter, then each layer's `layer_scalar` and the tower's stored buffers, from one seeded
+    generator: matrices and embeddings N(0, std); RMSNorm scales and the layer scalars 1 + N(0, norm_std)."""
     import torch
 
     generator = torch.Generator(device="cpu").manual_seed(seed)
-    tensors = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+    stored = [(n, b) for n, b in model.named_buffers() if n.endswith("layer_scalar")]
+    clipped = [(n, b) for n, b in model.named_buffers() if n.rpartition(".")[2] in _BUFFER_INIT]
     with torch.no_grad():
-        for name, tensor in tensors:
+        for name, tensor in list(model.named_parameters()) + stored:
             scaled = "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_scalar")
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             tensor.copy_(values * norm_std + 1.0 if scaled else values * std)
+        for name, tensor in clipped:
+            base, spread = _BUFFER_INIT[name.rpartition(".")[2]]
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=torch.float32) * spread + base)
 
 
 def _model(config: Any, dtype: Any) -> Any:
@@ -139,6 +152,11 @@ GEMMA4_VLM_PRESETS: dict[str, dict[str, Any]] = {
         "dtype": "float32",
     },
 }  # fmt: skip
+# The released towers' stored buffers: clipped linears (E2B / E4B) and standardized outputs (26B / 31B).
+GEMMA4_VLM_PRESETS["tiny-clipped"] = {
+    **GEMMA4_VLM_PRESETS["tiny"],
+    "vision": {**GEMMA4_VLM_PRESETS["tiny"]["vision"], "use_clipped_linears": True, "standardize": True},
+}
 
 
 def _build_vlm_tokenizer(staging: Path) -> Any:

@@ -19,6 +19,7 @@ import torch
 from tests.conftest import hf_greedy, make_image, user
 from tests.released_configs import (
     GEMMA3_RELEASES,
+    GEMMA4_RELEASES,
     IDEFICS3_RELEASES,
     QWEN2_5_VL_RELEASES,
     QWEN3_5_MOE_RELEASES,
@@ -224,6 +225,8 @@ FAMILIES: tuple[Family, ...] = (
         # 96-token chunks (an image's span, atomic, fits one), a pool of about two prompts' worth
         preempted={"kv_cache_tokens": 400, "max_num_batched_tokens": 96, "page_size": 16},
         fast_conversations=[GEMMA3_CONVERSATIONS[2], GEMMA3_CONVERSATIONS[4]],
+        releases=GEMMA4_RELEASES,
+        release_prefixes=("model.language_model.", "model.vision_tower.", "model.embed_vision."),
     ),
 )  # fmt: skip
 

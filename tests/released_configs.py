@@ -325,3 +325,35 @@ def gemma4_text_config(name: str, **overrides: Any) -> Any:
     from transformers import Gemma4TextConfig
 
     return Gemma4TextConfig(**{**GEMMA4_TEXT[name], **overrides}, architectures=["Gemma4ForCausalLM"])
+
+
+# gemma-4-31B-it (dense, images only: no audio tower): its text_config as a Go (MLX) test and a Rust test of
+# Gemma4ForConditionalGeneration configs write it (no per-layer inputs, keys as values on the global
+# layers with 4 global KV heads, a full layer in every 6, window 1024); its vision_config as five public
+# fixtures agree on it (the larger models' tower: 27 layers of 1152, 16 heads of 72, standardized outputs).
+# max_position_embeddings: 262,144 in one fixture, 131,072 in another (unconfirmed; names do not depend on it).
+GEMMA4_31B_TEXT = {
+    "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "num_global_key_value_heads": 4, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": True, "sliding_window": 1024, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+    "use_double_wide_mlp": False, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "final_logit_softcapping": 30.0, "use_bidirectional_attention": "vision", "max_position_embeddings": 262144,
+}  # fmt: skip
+GEMMA4_VISION_LARGE = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "head_dim": 72, "patch_size": 16, "pooling_kernel_size": 3,
+    "position_embedding_size": 10240, "standardize": True, "use_clipped_linears": False,
+}  # fmt: skip
+
+
+def gemma4_31b_config() -> Any:
+    from transformers import Gemma4Config
+
+    return Gemma4Config(
+        text_config=GEMMA4_31B_TEXT, vision_config=GEMMA4_VISION_LARGE, audio_config=None,
+        architectures=["Gemma4ForConditionalGeneration"],
+    )  # fmt: skip
+
+
+# Transformers 5 wrote these releases: the files hold its own names.
+GEMMA4_RELEASES = {"gemma-4-31B-it": Release(gemma4_31b_config)}

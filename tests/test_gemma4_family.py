@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from testkit.gemma4_checkpoints import WINDOW, cached_gemma4
-from tests.family_table import meta_model
+from testkit.gemma4_checkpoints import WINDOW, cached_gemma4, cached_gemma4_vlm
+from tests.conftest import hf_greedy
+from tests.family_table import base_conversations, meta_model
 from tests.released_configs import GEMMA4_TEXT, gemma4_text_config
 from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
@@ -197,3 +198,21 @@ def test_audio_and_image_parts_are_refused_by_name() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     with pytest.raises(PromptError, match="does not accept images"):
         eng.process_messages([{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]}])
+
+
+@pytest.mark.slow
+def test_a_tower_with_clipped_linears_and_standardized_outputs() -> None:
+    """The released towers' stored buffers (clipping bounds, standardization) load as parameters and act
+    as Transformers' do: one image and two odd images equal `generate`."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = cached_gemma4_vlm("tiny-clipped")
+    hf = (
+        AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval(),
+        AutoProcessor.from_pretrained(str(path)),
+    )
+    eng = Engine(str(path), dtype="float32", kv_cache_tokens=2048, numerics="exact")
+    tower: Any = eng.model.vision_tower
+    assert {n.rpartition(".")[2] for n, _ in tower.named_parameters()} >= {"input_min", "output_max", "std_scale"}
+    for conv in base_conversations()[1:3]:
+        assert eng.chat([conv], GREEDY)[0].token_ids == hf_greedy(hf, conv, MAX_TOKENS)

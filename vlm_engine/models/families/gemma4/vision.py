@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from preprocess.errors import PromptError
 from preprocess.family_prompts import FamilyPrompts, placeholder_runs
@@ -48,13 +49,11 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         )
 
         vision = config.vision_config
-        for name in ("use_clipped_linears", "standardize"):  # buffers that our loader does not fill
-            if getattr(vision, name, False):
-                raise NotImplementedError(f"Gemma 4's vision tower with {name} is not supported yet")
         if getattr(config, "audio_config", None) is not None:
             raise NotImplementedError("Gemma 4 with an audio tower is not supported yet")
         super().__init__(config, config.text_config)
         self.vision_tower = Gemma4VisionModel(vision)
+        _stored_buffers_as_parameters(self.vision_tower)
         with torch.device("cpu"):  # its rotary table is computed, not loaded: real even when built on meta
             self.vision_tower.encoder.rotary_emb = Gemma4VisionRotaryEmbedding(vision)
         self.embed_vision = Gemma4MultimodalEmbedder(vision, config.text_config)
@@ -81,6 +80,17 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         soft_tokens = self.embed_vision(features)
         counts = ((patch_positions != -1).all(dim=-1).sum(dim=-1) // self.pooled_patches).tolist()
         return list(soft_tokens.split(counts))
+
+
+def _stored_buffers_as_parameters(module: nn.Module) -> None:
+    """The tower's checkpoint buffers (the released E2B / E4B towers' clipping bounds, the larger ones'
+    standardization) become parameters: the loader fills parameters only, and so refuses a checkpoint
+    that lacks them. Computed buffers (the rotary table) stay buffers."""
+    for submodule in module.modules():
+        for name in [n for n in submodule._buffers if n not in submodule._non_persistent_buffers_set]:
+            tensor = submodule._buffers.pop(name)
+            assert tensor is not None
+            submodule.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
 
 
 class Gemma4Prompts(ProcessorPrompts):
