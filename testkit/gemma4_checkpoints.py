@@ -4,7 +4,7 @@ Random weights from the real `Gemma4TextConfig`, and Gemma 3's test tokenizer an
 (`testkit.gemma3_checkpoints`: the trained byte-level BPE with Gemma's specials; the text model does
 not care which Gemma turn markup renders the prompt).
 
-    cached_gemma4(preset="tiny" | "tiny-shared", seed=0) -> Path
+    cached_gemma4(preset="tiny" | "tiny-shared" | "tiny-moe", seed=0) -> Path
     cached_gemma4_vlm(preset="tiny" | "tiny-clipped", seed=0) -> Path   (Gemma4ForConditionalGeneration)
 
 "tiny": 6 layers (sliding, sliding, full) x 2 with a 16-token window; sliding heads of 16 dims and
@@ -13,6 +13,7 @@ not care which Gemma turn markup renders the prompt).
 final logits soft-capped at 30.
 "tiny-shared": the same with the last 3 layers KV-shared (they read layers 1 and 2's KV) and the
 double-wide MLP on them.
+"tiny-moe": "tiny" without per-layer inputs and with 4 routed experts (top 2) beside each dense MLP.
 The VLM "tiny": the "tiny-shared" text model with `use_bidirectional_attention="vision"`, a 2-layer
 vision tower (hidden 32, 16-px patches, 3x3 pooling) and the real Gemma4ImageProcessor at its smallest
 budget (70 soft tokens an image: images are resized to at most 630 patches); its tokenizer adds
@@ -52,6 +53,20 @@ GEMMA4_PRESETS: dict[str, dict[str, Any]] = {
         "norm_std": 0.1,
         "dtype": "float32",
     },
+    # 26B-A4B's shape: no per-layer inputs, 4 experts of 32 (top 2) beside every dense MLP
+    "tiny-moe": {
+        "text": {
+            **_TINY,
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+        },
+        "std": 0.2,
+        "norm_std": 0.1,
+        "dtype": "float32",
+    },
 }
 
 
@@ -83,7 +98,8 @@ _BUFFER_INIT = {
 
 def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) -> None:
     """Every parameter, then each layer's `layer_scalar` and the tower's stored buffers, from one seeded
-    generator: matrices and embeddings N(0, std); RMSNorm scales and the layer scalars 1 + N(0, norm_std)."""
+    generator: matrices and embeddings N(0, std); RMSNorm scales, the layer scalars and the router's
+    scales 1 + N(0, norm_std)."""
     import torch
 
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -91,7 +107,7 @@ def _init_deterministically(model: Any, std: float, norm_std: float, seed: int) 
     clipped = [(n, b) for n, b in model.named_buffers() if n.rpartition(".")[2] in _BUFFER_INIT]
     with torch.no_grad():
         for name, tensor in list(model.named_parameters()) + stored:
-            scaled = "norm" in name.rsplit(".", 2)[-2] or name.endswith("layer_scalar")
+            scaled = "norm" in name.rsplit(".", 2)[-2] or name.endswith(("layer_scalar", "scale"))
             values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
             tensor.copy_(values * norm_std + 1.0 if scaled else values * std)
         for name, tensor in clipped:

@@ -346,14 +346,30 @@ GEMMA4_VISION_LARGE = {
 }  # fmt: skip
 
 
-def gemma4_31b_config() -> Any:
+# gemma-4-26B-A4B-it (MoE, images only): its text_config as a Go (MLX) test, a Rust and a Swift test write it
+# (30 layers of 2816, 128 experts of 704 beside a dense MLP of 2112, top 8; 2 global KV heads as values); the
+# larger models' tower.
+GEMMA4_26B_A4B_TEXT = {
+    "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": True, "sliding_window": 1024, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5, "final_logit_softcapping": 30.0,
+    "use_bidirectional_attention": "vision", "max_position_embeddings": 262144,
+}  # fmt: skip
+
+
+def gemma4_config(text: dict[str, Any]) -> Any:
     from transformers import Gemma4Config
 
     return Gemma4Config(
-        text_config=GEMMA4_31B_TEXT, vision_config=GEMMA4_VISION_LARGE, audio_config=None,
+        text_config=text, vision_config=GEMMA4_VISION_LARGE, audio_config=None,
         architectures=["Gemma4ForConditionalGeneration"],
     )  # fmt: skip
 
 
 # Transformers 5 wrote these releases: the files hold its own names.
-GEMMA4_RELEASES = {"gemma-4-31B-it": Release(gemma4_31b_config)}
+GEMMA4_RELEASES = {
+    "gemma-4-31B-it": Release(lambda: gemma4_config(GEMMA4_31B_TEXT)),
+    "gemma-4-26B-A4B-it": Release(lambda: gemma4_config(GEMMA4_26B_A4B_TEXT)),
+}

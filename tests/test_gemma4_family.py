@@ -25,7 +25,7 @@ from vlm_engine.attention.backends import create_backend
 from vlm_engine.models import loader
 from vlm_engine.runner.model_runner import ModelRunner, kv_token_bytes
 
-PRESETS = ("tiny", "tiny-shared")
+PRESETS = ("tiny", "tiny-shared", "tiny-moe")
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 LONG_TEXT = (

@@ -15,6 +15,7 @@ projection -> norm, added to the residual, and the whole layer output times a le
   KV of the last earlier layer of its type and writes none (`kv_sources`), so the runner allocates
   pages for the writing layers only (`runner.model_runner.kv_layer_shapes`).
 - Logits are soft-capped (`final_logit_softcapping`): cap * tanh(logits / cap).
+- 26B-A4B (`enable_moe_block`): routed experts beside each layer's dense MLP (experts.py).
 """
 
 from __future__ import annotations
@@ -26,26 +27,12 @@ import torch
 from torch import nn
 
 from vlm_engine.models.decoder import rope_parameters
+from vlm_engine.models.families.gemma4.experts import Gemma4Router, run_experts
+from vlm_engine.models.families.gemma4.norm import Gemma4RMSNorm
 from vlm_engine.models.layers import ACTIVATIONS, ForwardContext, GatedMLP, MergedLinear, RotaryEmbedding, apply_rotary
+from vlm_engine.models.moe import SparseExperts
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-class Gemma4RMSNorm(nn.Module):
-    """Transformers' Gemma4RMSNorm: fp32 rows times (mean square + eps) ** -0.5 (pow, not rsqrt),
-    times the stored scale in fp32 (none for the v norm), one rounding to the input's dtype."""
-
-    def __init__(self, size: int, eps: float, with_scale: bool = True) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size)) if with_scale else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
-        if self.weight is not None:
-            h = h * self.weight.float()
-        return h.type_as(x)
 
 
 def kv_sources_of(config: Any) -> tuple[int, ...]:
@@ -137,6 +124,22 @@ class Gemma4DecoderLayer(nn.Module):
         self.per_layer_projection = nn.Linear(per_layer, hidden, bias=False) if per_layer else None
         self.post_per_layer_input_norm = Gemma4RMSNorm(hidden, eps) if per_layer else None
         self.act = ACTIVATIONS[config.hidden_activation]
+        # 26B-A4B: a mixture of experts beside the dense MLP, each output normed, their sum the MLP's output.
+        self.router: Gemma4Router | None = None
+        if getattr(config, "enable_moe_block", False):
+            self.router = Gemma4Router(config)
+            self.experts = SparseExperts(hidden, int(config.moe_intermediate_size), int(config.num_experts))
+            self.post_feedforward_layernorm_1 = Gemma4RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = Gemma4RMSNorm(hidden, eps)
+
+    def feed_forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The dense MLP on the pre-normed residual, plus (26B-A4B) the experts, before the post-norm."""
+        h = self.mlp(self.pre_feedforward_layernorm(x), ctx.fused)
+        if self.router is None:
+            return h
+        experts = run_experts(self.experts, self.act, self.router(x), self.pre_feedforward_layernorm_2(x))
+        return self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(experts)
 
     def forward(
         self,
@@ -147,7 +150,7 @@ class Gemma4DecoderLayer(nn.Module):
         ctx: ForwardContext,
     ) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, ctx))
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), ctx.fused))
+        x = x + self.post_feedforward_layernorm(self.feed_forward(x, ctx))
         if per_layer_input is not None:
             assert self.per_layer_input_gate is not None and self.per_layer_projection is not None
             assert self.post_per_layer_input_norm is not None
@@ -228,8 +231,6 @@ class Gemma4ForCausalLM(nn.Module):
     def __init__(self, config: Any, text_config: Any = None) -> None:
         super().__init__()
         text_config = config if text_config is None else text_config
-        if getattr(text_config, "enable_moe_block", False):
-            raise NotImplementedError("Gemma 4 with enable_moe_block (26B-A4B) is not supported yet")
         if getattr(text_config, "use_bidirectional_attention", None) == "all":
             raise NotImplementedError("Gemma 4 with use_bidirectional_attention='all' is not supported")
         self.config, self.text_config = config, text_config
