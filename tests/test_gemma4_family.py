@@ -1,11 +1,13 @@
-"""Gemma 4's text model (Gemma4ForCausalLM) on tiny random checkpoints (testkit/gemma4_checkpoints.py:
-a 16-token window on 4 of 6 layers, global layers with their own head dim, k_eq_v, proportional
-RoPE, per-layer inputs, soft-capped logits; "tiny-shared" adds KV sharing on the last 3 layers
-and the double-wide MLP there): greedy tokens = Transformers' `generate` in fp32 for prompts
+"""Gemma 4 beyond the family matrix (its VLM row: tests/family_table.py). The text model
+(Gemma4ForCausalLM) on tiny random checkpoints (testkit/gemma4_checkpoints.py: a 16-token window on 4
+of 6 layers, global layers with their own head dim, k_eq_v, proportional RoPE, per-layer inputs,
+soft-capped logits; "tiny-shared" adds KV sharing on the last 3 layers and the double-wide MLP there;
+"tiny-moe" routed experts beside the dense MLPs): greedy tokens = Transformers' `generate` in fp32 for prompts
 shorter and longer than the window and multi-turn, batched = alone, prefix cache on = off,
 chunked prefill and preemption; the KV-shared layers hold no pages of their own; the KV bytes a
 token of a Gemma-4-E4B-shaped model takes with and without KV sharing, from the runner's pools;
-and the released E2B / E4B text configs' names on the meta device."""
+the released E2B / E4B text configs' names on the meta device; audio parts refused by name; a vision
+tower with the released towers' stored buffers (clipped linears, standardization) exact."""
 
 from __future__ import annotations
 
@@ -186,18 +188,20 @@ def test_fast_numerics_against_exact(ops: object) -> None:
     assert sum(agreed) >= len(CONVERSATIONS) * MAX_TOKENS // 2, agreed
 
 
-def test_audio_and_image_parts_are_refused_by_name() -> None:
-    """The text model takes text only: an audio or image part is a PromptError (the server's 400) that
-    names it, never dropped silently."""
+def test_audio_parts_are_refused_by_name() -> None:
+    """No audio tower is served: an audio part is a PromptError (the server's 400) that names it, for the
+    VLM and the text model, never dropped silently; the text model refuses images as well."""
     from preprocess.errors import PromptError
 
-    eng = engine("tiny")
     audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
-    with pytest.raises(PromptError, match="input_audio"):
-        eng.process_messages([{"role": "user", "content": [audio, {"type": "text", "text": "Hi"}]}])
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    text = {"type": "text", "text": "Hi"}
+    vlm = Engine(str(cached_gemma4_vlm("tiny")), dtype="float32", kv_cache_tokens=1024, numerics="exact")
+    for eng in (vlm, engine("tiny")):
+        with pytest.raises(PromptError, match="input_audio"):
+            eng.process_messages([{"role": "user", "content": [audio, text]}])
     with pytest.raises(PromptError, match="does not accept images"):
-        eng.process_messages([{"role": "user", "content": [image, {"type": "text", "text": "Hi"}]}])
+        engine("tiny").process_messages([{"role": "user", "content": [image, text]}])
 
 
 @pytest.mark.slow
