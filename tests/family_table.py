@@ -18,6 +18,7 @@ import torch
 
 from testkit.checkpoints import cached_qwen2_vl
 from testkit.gemma3_checkpoints import GEMMA3_PRESETS, cached_gemma3
+from testkit.gemma4_checkpoints import cached_gemma4_vlm
 from testkit.mistral3_checkpoints import cached_mistral3
 from testkit.paddleocr_vl_checkpoints import cached_paddleocr_vl
 from testkit.qwen3_5_checkpoints import cached_qwen3_5
@@ -26,6 +27,7 @@ from testkit.smolvlm_checkpoints import cached_smolvlm
 from tests.conftest import hf_greedy, make_image, user
 from tests.released_configs import (
     GEMMA3_RELEASES,
+    GEMMA4_RELEASES,
     IDEFICS3_RELEASES,
     LIGHTONOCR_RELEASES,
     MISTRAL3_RELEASES,
@@ -252,6 +254,18 @@ FAMILIES: tuple[Family, ...] = (
         releases=LIGHTONOCR_RELEASES,
         release_prefixes=("model.language_model.", "model.vision_encoder.", "model.vision_projection."),
     ),
+    # Gemma 4 (testkit/gemma4_checkpoints.py): 60-70 soft tokens an image against a 16-token window, the
+    # last 3 of 6 layers KV-shared; the two long conversations carry images across the window.
+    Family(
+        "gemma4", lambda: cached_gemma4_vlm("tiny"), ("Gemma4ForConditionalGeneration",),
+        GEMMA3_CONVERSATIONS, (*BASE_NAMES, "images-across-window", "image-then-long-text"),
+        position_axes=1, videos=False, max_tokens=20, prefix_conversation=4, full_prefix_reuse=False,
+        # 96-token chunks (an image's span, atomic, fits one), a pool of about two prompts' worth
+        preempted={"kv_cache_tokens": 400, "max_num_batched_tokens": 96, "page_size": 16},
+        fast_conversations=[GEMMA3_CONVERSATIONS[2], GEMMA3_CONVERSATIONS[4]],
+        releases=GEMMA4_RELEASES,
+        release_prefixes=("model.language_model.", "model.vision_tower.", "model.embed_vision."),
+    ),
 )  # fmt: skip
 
 # The architectures no row stands for, and where each is checked: text models, whose prompts have no media.
@@ -260,6 +274,7 @@ TEXT_ARCHITECTURES = {
     "MistralForCausalLM": "the Llama family's code (a Llama config)",
     "Qwen2ForCausalLM": "testkit/scripted.py (tests/test_tool_calls.py)",
     "Gemma3ForCausalLM": "gemma-3-1b-it's names (tests/test_gemma3_family.py)",
+    "Gemma4ForCausalLM": "tests/test_gemma4_family.py (tiny checkpoints; gemma-4-E2B / E4B text names)",
     "Qwen3NextForCausalLM": "tests/test_qwen3_5_family.py (a tiny checkpoint; Qwen3-Next-80B-A3B's names)",
     "PlacardForConditionalGeneration": "the default model (tests/test_placard_model.py)",
 }

@@ -397,3 +397,80 @@ def lightonocr_release_config() -> Any:
 
 MISTRAL3_RELEASES = {"Mistral-Small-3.1-24B-Instruct-2503": Release(mistral3_release_config, MISTRAL3_RENAMES)}
 LIGHTONOCR_RELEASES = {"LightOnOCR-1B-1025": Release(lightonocr_release_config)}
+# ---- Gemma 4 (text models) -------------------------------------------------------------------------------
+
+# The text_config values of gemma-4-E2B-it / gemma-4-E4B-it's config.json, as public ports' test fixtures
+# reproduce them (not read from the Hugging Face files themselves, which this workplace cannot reach): E2B
+# in a Rust and a Swift test of Gemma4ForConditionalGeneration configs, E4B in a Go (MLX) test and a
+# from-scratch notebook. The rest are Gemma4TextConfig's defaults, which those fixtures agree with:
+# rope theta 1e4 (sliding) / 1e6 proportional over a quarter of the 512 dims (global), vocabulary 262,144,
+# per-layer inputs of 256, final logits soft-capped at 30, 131,072 positions, tied embeddings.
+GEMMA4_TEXT = {
+    "gemma-4-E2B": {
+        "hidden_size": 1536, "intermediate_size": 6144, "num_hidden_layers": 35, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512, "sliding_window": 512,
+        "num_kv_shared_layers": 20, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 256,
+        "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+    },
+    "gemma-4-E4B": {
+        "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512, "sliding_window": 512,
+        "num_kv_shared_layers": 18, "use_double_wide_mlp": False, "hidden_size_per_layer_input": 256,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 7, "final_logit_softcapping": 30.0,
+    },
+}  # fmt: skip
+
+
+def gemma4_text_config(name: str, **overrides: Any) -> Any:
+    """A released Gemma 4 text config (Gemma4ForCausalLM), with `overrides` on top."""
+    from transformers import Gemma4TextConfig
+
+    return Gemma4TextConfig(**{**GEMMA4_TEXT[name], **overrides}, architectures=["Gemma4ForCausalLM"])
+
+
+# gemma-4-31B-it (dense, images only: no audio tower): its text_config as a Go (MLX) test and a Rust test of
+# Gemma4ForConditionalGeneration configs write it (no per-layer inputs, keys as values on the global
+# layers with 4 global KV heads, a full layer in every 6, window 1024); its vision_config as five public
+# fixtures agree on it (the larger models' tower: 27 layers of 1152, 16 heads of 72, standardized outputs).
+# max_position_embeddings: 262,144 in one fixture, 131,072 in another (unconfirmed; names do not depend on it).
+GEMMA4_31B_TEXT = {
+    "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 60, "num_attention_heads": 32,
+    "num_key_value_heads": 16, "num_global_key_value_heads": 4, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": True, "sliding_window": 1024, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+    "use_double_wide_mlp": False, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+    "final_logit_softcapping": 30.0, "use_bidirectional_attention": "vision", "max_position_embeddings": 262144,
+}  # fmt: skip
+GEMMA4_VISION_LARGE = {
+    "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "head_dim": 72, "patch_size": 16, "pooling_kernel_size": 3,
+    "position_embedding_size": 10240, "standardize": True, "use_clipped_linears": False,
+}  # fmt: skip
+
+
+# gemma-4-26B-A4B-it (MoE, images only): its text_config as a Go (MLX) test, a Rust and a Swift test write it
+# (30 layers of 2816, 128 experts of 704 beside a dense MLP of 2112, top 8; 2 global KV heads as values); the
+# larger models' tower.
+GEMMA4_26B_A4B_TEXT = {
+    "hidden_size": 2816, "intermediate_size": 2112, "num_hidden_layers": 30, "num_attention_heads": 16,
+    "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512,
+    "attention_k_eq_v": True, "sliding_window": 1024, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0,
+    "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8, "moe_intermediate_size": 704,
+    "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5, "final_logit_softcapping": 30.0,
+    "use_bidirectional_attention": "vision", "max_position_embeddings": 262144,
+}  # fmt: skip
+
+
+def gemma4_config(text: dict[str, Any]) -> Any:
+    from transformers import Gemma4Config
+
+    return Gemma4Config(
+        text_config=text, vision_config=GEMMA4_VISION_LARGE, audio_config=None,
+        architectures=["Gemma4ForConditionalGeneration"],
+    )  # fmt: skip
+
+
+# Transformers 5 wrote these releases: the files hold its own names.
+GEMMA4_RELEASES = {
+    "gemma-4-31B-it": Release(lambda: gemma4_config(GEMMA4_31B_TEXT)),
+    "gemma-4-26B-A4B-it": Release(lambda: gemma4_config(GEMMA4_26B_A4B_TEXT)),
+}

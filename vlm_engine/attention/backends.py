@@ -25,6 +25,8 @@ class PagedAttentionBackend:
     A sliding-window layer (``window > 0``) whose KV lives in a pool of its own stores and reads it
     through ``meta.window_slot_mapping`` / ``meta.window_block_table``; the op is told the window,
     so it never reads the pages before it (the pool may have handed them to someone else).
+    Without k / v (Gemma 4's KV-shared layers) it stores nothing: the layer that owns the pool
+    stored this step's KV earlier in the same forward pass.
     """
 
     def __init__(self, name: str, op: PagedAttentionFn, store: StoreKVFn = store_kv) -> None:
@@ -35,8 +37,8 @@ class PagedAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
@@ -46,7 +48,8 @@ class PagedAttentionBackend:
         if own_pages and meta.window_slot_mapping is None:
             raise ValueError("AttentionMetadata has a window_block_table but no window_slot_mapping")
         block_table = meta.window_block_table if own_pages else meta.block_table
-        self._store(k, v, kv_cache, meta.window_slot_mapping if own_pages else meta.slot_mapping)
+        if k is not None and v is not None:
+            self._store(k, v, kv_cache, meta.window_slot_mapping if own_pages else meta.slot_mapping)
         k_cache, v_cache = kv_cache
         # q may be a strided view into the fused qkv output: both ops read it through its strides
         # (a copy per layer cost ~1.5 ms of a batch-64 SmolLM2 step).

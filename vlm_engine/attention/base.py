@@ -53,8 +53,8 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D]; None with v: a layer that reads `kv_cache` and writes none
+        v: torch.Tensor | None,  # [T, Hkv, D]
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,

@@ -55,7 +55,10 @@ class VLModel(Protocol):
 # prefill-sized row counts, whose linears keep one (oneDNN) layout when prepacked instead of two;
 # `adapt_checkpoint_tensor(name, tensor) -> tensor`, called by the loader on each
 # checkpoint tensor (after `checkpoint_renames`) whose stored layout differs from the module's (the
-# Qwen3-VL-MoE release stores its experts transposed).
+# Qwen3-VL-MoE release stores its experts transposed); `kv_shapes`, one (KV heads, head dim) per layer
+# where layers differ (Gemma 4's global layers; `kv_layout` then names the widest), and `kv_sources`,
+# whose paged KV each layer reads (its own, or an earlier layer's that it reads and never writes: Gemma
+# 4's KV-shared layers, which the runner gives no pages of their own).
 
 
 # (model directory, config, GGUF file name or None, video device) -> the family's prompt side

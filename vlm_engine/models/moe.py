@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,11 +54,23 @@ class SparseMoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
-        routed = F.one_hot(chosen, self.num_experts).permute(2, 1, 0)
-        for expert in routed.sum(dim=(1, 2)).nonzero().flatten().tolist():
-            slot, token = torch.where(routed[expert])
-            out.index_add_(0, token, self.expert(expert, x[token]) * weights[token, slot, None])
-        return out
+        return mix_experts(x, chosen, weights.to(logits.dtype), self.num_experts, self.expert)
+
+
+def mix_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * expert(token), [T, hidden]: `chosen` / `weights`
+    [T, k]. Each expert runs once, on the rows routed to it, and the sums go in Transformers' order
+    (experts ascending, index_add_ into zeros), so fp32 outputs match it exactly."""
+    out = torch.zeros_like(x)
+    # [E, k, T]: which (slot, token) pairs each expert serves, slot-major as Transformers' torch.where
+    routed = F.one_hot(chosen, num_experts).permute(2, 1, 0)
+    for index in routed.sum(dim=(1, 2)).nonzero().flatten().tolist():
+        slot, token = torch.where(routed[index])
+        out.index_add_(0, token, (expert(index, x[token]) * weights[token, slot, None]).to(out.dtype))
+    return out

@@ -46,6 +46,8 @@ ARCHITECTURES: dict[str, str] = {
     "Gemma3ForCausalLM": "vlm_engine.models.families.gemma3",
     "Mistral3ForConditionalGeneration": "vlm_engine.models.families.mistral3",
     "LightOnOcrForConditionalGeneration": "vlm_engine.models.families.mistral3",
+    "Gemma4ForCausalLM": "vlm_engine.models.families.gemma4",
+    "Gemma4ForConditionalGeneration": "vlm_engine.models.families.gemma4",
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
     "PaddleOCRVLForConditionalGeneration": "vlm_engine.models.families.paddleocr_vl",
 }

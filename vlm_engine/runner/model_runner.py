@@ -38,11 +38,6 @@ class KVLayout:
     def of(cls, model: VLModel) -> KVLayout:
         return cls(*model.kv_layout)
 
-    def bytes_per_token(self, dtype: torch.dtype, num_layers: int | None = None) -> int:
-        """KV bytes of one token in all layers, or in `num_layers` of them."""
-        layers = self.num_layers if num_layers is None else num_layers
-        return 2 * layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
-
 
 def attention_windows(model: VLModel) -> tuple[int, ...]:
     """Each decoder layer's sliding window (0: full attention), from the model's optional
@@ -60,12 +55,48 @@ def kv_layers(model: VLModel) -> list[bool]:
     return [True] * KVLayout.of(model).num_layers if layout is None else [entry is None for entry in layout]
 
 
+def kv_sources(model: VLModel) -> tuple[int, ...]:
+    """Whose paged KV each decoder layer reads: its own, or, from the model's optional `kv_sources`,
+    an earlier layer's that it reads and never writes (Gemma 4's KV-shared layers)."""
+    num_layers = KVLayout.of(model).num_layers
+    sources = tuple(getattr(model, "kv_sources", None) or range(num_layers))
+    if len(sources) != num_layers:
+        raise ValueError(f"kv_sources names {len(sources)} layers, the KV layout {num_layers}")
+    for layer, source in enumerate(sources):
+        if source > layer or sources[source] != source:
+            raise ValueError(f"layer {layer} reads layer {source}'s KV, which is not an earlier layer's own")
+    return sources
+
+
+def kv_layer_shapes(model: VLModel) -> list[tuple[int, int] | None]:
+    """Each decoder layer's own KV pages as (KV heads, head dim), or None for a layer that keeps none
+    (a fixed-size state instead, or another layer's KV that it only reads). Layers may differ
+    (Gemma 4's global layers: their own head dim) when the model declares `kv_shapes`."""
+    layout = KVLayout.of(model)
+    shapes = getattr(model, "kv_shapes", None) or ((layout.num_kv_heads, layout.head_dim),) * layout.num_layers
+    sources = kv_sources(model)
+    return [
+        tuple(shape) if kv and sources[i] == i else None
+        for i, (shape, kv) in enumerate(zip(shapes, kv_layers(model), strict=True))
+    ]
+
+
 def kv_token_bytes(models: list[VLModel], dtype: torch.dtype) -> tuple[int, int]:
     """KV bytes of one token in the full-attention layers (every model's: a draft model's share
-    the page tables) and in the first model's sliding-window layers, which have a pool of their own."""
-    window_layers = sum(1 for w, kv in zip(attention_windows(models[0]), kv_layers(models[0])) if w and kv)
-    window = KVLayout.of(models[0]).bytes_per_token(dtype, window_layers)
-    full = sum(KVLayout.of(model).bytes_per_token(dtype, sum(kv_layers(model))) for model in models)
+    the page tables) and in the first model's sliding-window layers, which have a pool of their own.
+    Only the layers that write KV count: a layer that reads another's allocates nothing."""
+    element = torch.empty((), dtype=dtype).element_size()
+
+    def layer_bytes(model: VLModel, windowed_only: bool) -> int:
+        windows = attention_windows(model)
+        return sum(
+            2 * shape[0] * shape[1] * element
+            for shape, window in zip(kv_layer_shapes(model), windows)
+            if shape is not None and (window or not windowed_only)
+        )
+
+    window = layer_bytes(models[0], windowed_only=True)
+    full = sum(layer_bytes(model, windowed_only=False) for model in models)
     return full - window, window
 
 
@@ -118,10 +149,15 @@ class ModelRunner:
         self.layout = KVLayout.of(model)
         self.uses_window_pool = num_window_pages > 0
         windows = attention_windows(model) if self.uses_window_pool else (0,) * self.layout.num_layers
-        self.kv_caches: list[KVCache] = [
-            self._kv_tensors(num_window_pages if window else num_pages if kv else 0)
-            for window, kv in zip(windows, kv_layers(model))
-        ]
+        # A layer that reads an earlier layer's KV holds that layer's tensors: no pages of its own.
+        self.kv_caches: list[KVCache] = []
+        for layer, (window, shape, source) in enumerate(zip(windows, kv_layer_shapes(model), kv_sources(model))):
+            if source != layer:
+                self.kv_caches.append(self.kv_caches[source])
+            elif shape is None:  # a layer with a fixed-size state instead
+                self.kv_caches.append(self._kv_tensors(0, (self.layout.num_kv_heads, self.layout.head_dim)))
+            else:
+                self.kv_caches.append(self._kv_tensors(num_window_pages if window else num_pages, shape))
         self.states = states
         self.state_pools = self._state_tensors(states)
         # Media tokens that attend to each other both ways (Gemma 3's images): per-token KV ends.
@@ -136,8 +172,8 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None
         self.vocab_size = model.vocab_size
 
-    def _kv_tensors(self, num_pages: int) -> KVCache:
-        shape = (num_pages, self.page_size, self.layout.num_kv_heads, self.layout.head_dim)
+    def _kv_tensors(self, num_pages: int, heads_and_dim: tuple[int, int]) -> KVCache:
+        shape = (num_pages, self.page_size, *heads_and_dim)
         return (
             torch.zeros(shape, dtype=self.dtype, device=self.device),
             torch.zeros(shape, dtype=self.dtype, device=self.device),
