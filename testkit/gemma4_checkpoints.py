@@ -5,7 +5,7 @@ Random weights from the real `Gemma4TextConfig`, and Gemma 3's test tokenizer an
 not care which Gemma turn markup renders the prompt).
 
     cached_gemma4(preset="tiny" | "tiny-shared" | "tiny-moe", seed=0) -> Path
-    cached_gemma4_vlm(preset="tiny" | "tiny-clipped", seed=0) -> Path   (Gemma4ForConditionalGeneration)
+    cached_gemma4_vlm(preset="tiny" | "tiny-clipped" | "tiny-audio", seed=0) -> Path   (Gemma4ForConditionalGeneration)
 
 "tiny": 6 layers (sliding, sliding, full) x 2 with a 16-token window; sliding heads of 16 dims and
 2 KV heads, global heads of 32 dims with `attention_k_eq_v` and 1 global KV head; proportional RoPE
@@ -19,6 +19,7 @@ vision tower (hidden 32, 16-px patches, 3x3 pooling) and the real Gemma4ImagePro
 budget (70 soft tokens an image: images are resized to at most 630 patches); its tokenizer adds
 Gemma 4's image and audio markers, and the chat template writes the image token for an image part.
 "tiny-clipped": the same with the tower's clipped linears and standardized outputs (stored buffers).
+"tiny-audio": "tiny" with clipped linears in the tower and a 1-layer audio tower, as E2B / E4B carry one.
 """
 
 from __future__ import annotations
@@ -173,6 +174,17 @@ GEMMA4_VLM_PRESETS["tiny-clipped"] = {
     **GEMMA4_VLM_PRESETS["tiny"],
     "vision": {**GEMMA4_VLM_PRESETS["tiny"]["vision"], "use_clipped_linears": True, "standardize": True},
 }
+# E2B / E4B's shape: an audio tower beside the vision tower (Transformers' Gemma4AudioModel, as small as it
+# builds; its other values are Gemma4AudioConfig's defaults, the released ones). Text and image prompts never
+# run it, in Transformers or here: the checkpoint carries its tensors, which our model skips.
+GEMMA4_VLM_PRESETS["tiny-audio"] = {
+    **GEMMA4_VLM_PRESETS["tiny"],
+    "vision": {**GEMMA4_VLM_PRESETS["tiny"]["vision"], "use_clipped_linears": True},
+    "audio": {
+        "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [8, 4],
+        "output_proj_dims": 48,
+    },
+}  # fmt: skip
 
 
 def _build_vlm_tokenizer(staging: Path) -> Any:
@@ -202,7 +214,7 @@ def gemma4_vlm_config(spec: dict[str, Any], token_ids: dict[str, int], vocab_siz
     return Gemma4Config(
         text_config=text,
         vision_config=spec["vision"],
-        audio_config=None,
+        audio_config=spec.get("audio"),
         image_token_id=token_ids[GEMMA4_MARKERS["image_token"]],
         boi_token_id=token_ids[GEMMA4_MARKERS["boi_token"]],
         eoi_token_id=token_ids[GEMMA4_MARKERS["eoi_token"]],

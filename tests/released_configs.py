@@ -13,6 +13,7 @@ Transformers 5 saves them)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -460,11 +461,11 @@ GEMMA4_26B_A4B_TEXT = {
 }  # fmt: skip
 
 
-def gemma4_config(text: dict[str, Any]) -> Any:
-    from transformers import Gemma4Config
+def gemma4_config(text: dict[str, Any], vision: dict[str, Any] = GEMMA4_VISION_LARGE, audio: bool = False) -> Any:
+    from transformers import Gemma4AudioConfig, Gemma4Config
 
     return Gemma4Config(
-        text_config=text, vision_config=GEMMA4_VISION_LARGE, audio_config=None,
+        text_config=text, vision_config=vision, audio_config=Gemma4AudioConfig() if audio else None,
         architectures=["Gemma4ForConditionalGeneration"],
     )  # fmt: skip
 
@@ -473,4 +474,21 @@ def gemma4_config(text: dict[str, Any]) -> Any:
 GEMMA4_RELEASES = {
     "gemma-4-31B-it": Release(lambda: gemma4_config(GEMMA4_31B_TEXT)),
     "gemma-4-26B-A4B-it": Release(lambda: gemma4_config(GEMMA4_26B_A4B_TEXT)),
+}
+
+# gemma-4-E2B-it / gemma-4-E4B-it (images and audio): the text configs above; the small models' tower as the
+# config.json of a gemma-4-E4B-it fine-tune (written by Transformers 5.7.0, quoted in a public agent log) and a
+# Rust test's E2B vision_config (text hidden 1536) write it: Gemma4VisionConfig's defaults (16 layers of 768,
+# 12 heads of 64) with clipped linears and no standardization. The audio tower: Gemma4AudioConfig's defaults
+# (12 Conformer layers of 1024, output 1536), which that config.json and a Go (Ollama) test of the released
+# audio_config agree with. Not in the family matrix (GEMMA4_RELEASES): its names check wants every checkpoint
+# tensor in a parameter, and our model deliberately leaves the audio tower out (tests/test_gemma4_family.py).
+GEMMA4_VISION_SMALL = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16, "num_attention_heads": 12,
+    "num_key_value_heads": 12, "head_dim": 64, "patch_size": 16, "pooling_kernel_size": 3,
+    "position_embedding_size": 10240, "standardize": False, "use_clipped_linears": True,
+}  # fmt: skip
+GEMMA4_AUDIO_RELEASES = {
+    f"{name}-it": Release(functools.partial(gemma4_config, GEMMA4_TEXT[name], GEMMA4_VISION_SMALL, audio=True))
+    for name in ("gemma-4-E2B", "gemma-4-E4B")
 }

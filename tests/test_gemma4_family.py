@@ -7,11 +7,14 @@ shorter and longer than the window and multi-turn, batched = alone, prefix cache
 chunked prefill and preemption; the KV-shared layers hold no pages of their own; the KV bytes a
 token of a Gemma-4-E4B-shaped model takes with and without KV sharing, from the runner's pools;
 the released E2B / E4B text configs' names on the meta device; audio parts refused by name; a vision
-tower with the released towers' stored buffers (clipped linears, standardization) exact."""
+tower with the released towers' stored buffers (clipped linears, standardization) exact; the released
+E2B-it / E4B-it full checkpoints' names on meta with their audio tower skipped unread, and a tiny checkpoint
+with an audio tower ("tiny-audio") = Transformers on text and an image, its audio parts still refused."""
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import pytest
@@ -20,14 +23,16 @@ import torch
 from testkit.gemma4_checkpoints import WINDOW, cached_gemma4, cached_gemma4_vlm
 from tests.conftest import hf_greedy
 from tests.family_table import base_conversations, meta_model
-from tests.released_configs import GEMMA4_TEXT, gemma4_text_config
+from tests.released_configs import GEMMA4_AUDIO_RELEASES, GEMMA4_TEXT, gemma4_text_config, released_checkpoint
 from tests.test_fast_numerics import greedy_agreement
 from vlm_engine import Engine, SamplingParams
 from vlm_engine.attention.backends import create_backend
 from vlm_engine.models import loader
+from vlm_engine.models.families.gemma4.vision import AUDIO_CHECKPOINT_PREFIXES
 from vlm_engine.runner.model_runner import ModelRunner, kv_token_bytes
 
 PRESETS = ("tiny", "tiny-shared", "tiny-moe")
+AUDIO_PART = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
 MAX_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 LONG_TEXT = (
@@ -193,13 +198,12 @@ def test_audio_parts_are_refused_by_name() -> None:
     VLM and the text model, never dropped silently; the text model refuses images as well."""
     from preprocess.errors import PromptError
 
-    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
     text = {"type": "text", "text": "Hi"}
     vlm = Engine(str(cached_gemma4_vlm("tiny")), dtype="float32", kv_cache_tokens=1024, numerics="exact")
     for eng in (vlm, engine("tiny")):
         with pytest.raises(PromptError, match="input_audio"):
-            eng.process_messages([{"role": "user", "content": [audio, text]}])
+            eng.process_messages([{"role": "user", "content": [AUDIO_PART, text]}])
     with pytest.raises(PromptError, match="does not accept images"):
         engine("tiny").process_messages([{"role": "user", "content": [image, text]}])
 
@@ -220,3 +224,43 @@ def test_a_tower_with_clipped_linears_and_standardized_outputs() -> None:
     assert {n.rpartition(".")[2] for n, _ in tower.named_parameters()} >= {"input_min", "output_max", "std_scale"}
     for conv in base_conversations()[1:3]:
         assert eng.chat([conv], GREEDY)[0].token_ids == hf_greedy(hf, conv, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("name", sorted(GEMMA4_AUDIO_RELEASES))
+def test_the_released_e2b_e4b_load_without_their_audio_tower(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Transformers' full model (audio tower included) names the checkpoint: every tensor but the audio tower's
+    and its embedder's fills one of our parameters, none left over; the audio ones are skipped unread (each
+    a StoredTensor over no file, which any read refuses) and counted in one INFO line."""
+    release = GEMMA4_AUDIO_RELEASES[name]
+    config = release.config()
+    model: Any = meta_model(config)
+    checkpoint = released_checkpoint(release, config)
+    audio = [(n, t) for n, t in checkpoint if n.startswith(AUDIO_CHECKPOINT_PREFIXES)]
+    assert {n.split(".")[1] for n, _ in audio} == {"audio_tower", "embed_audio"}
+    unreadable = {n: loader.StoredTensor(-1, 0, torch.bfloat16, tuple(t.shape)) for n, t in audio}
+    with caplog.at_level(logging.INFO, logger=loader.__name__):
+        assert loader.load_weights(model, [(n, unreadable.get(n, t)) for n, t in checkpoint]) == []
+    served = sum(t.numel() for n, t in checkpoint if n not in unreadable)
+    assert sum(p.numel() for p in model.parameters()) == served  # tied: one embedding on both sides
+    assert not [n for n, _ in model.named_parameters() if "audio" in n]
+    assert f"{len(audio)} checkpoint tensors not served" in caplog.text
+    assert "audio is not served" in caplog.text
+
+
+def test_a_checkpoint_with_an_audio_tower_serves_text_and_images() -> None:
+    """The tiny checkpoint with an audio tower: Transformers builds and loads it, ours skips it; greedy
+    tokens equal `generate` on text and on an image, and an audio part is still a PromptError."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from preprocess.errors import PromptError
+
+    path = str(cached_gemma4_vlm("tiny-audio"))
+    hf_model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf_model.model.audio_tower is not None
+    hf = (hf_model, AutoProcessor.from_pretrained(path))
+    eng = Engine(path, dtype="float32", kv_cache_tokens=2048, numerics="exact")
+    assert not [n for n, _ in eng.model.named_parameters() if "audio" in n]
+    for conv in base_conversations()[:2]:
+        assert eng.chat([conv], GREEDY)[0].token_ids == hf_greedy(hf, conv, MAX_TOKENS)
+    with pytest.raises(PromptError, match="input_audio"):
+        eng.process_messages([{"role": "user", "content": [AUDIO_PART, {"type": "text", "text": "Hi"}]}])

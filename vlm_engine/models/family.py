@@ -58,7 +58,10 @@ class VLModel(Protocol):
 # Qwen3-VL-MoE release stores its experts transposed); `kv_shapes`, one (KV heads, head dim) per layer
 # where layers differ (Gemma 4's global layers; `kv_layout` then names the widest), and `kv_sources`,
 # whose paged KV each layer reads (its own, or an earlier layer's that it reads and never writes: Gemma
-# 4's KV-shared layers, which the runner gives no pages of their own).
+# 4's KV-shared layers, which the runner gives no pages of their own); `checkpoint_skipped`, checkpoint
+# name prefixes (after `checkpoint_renames`) of parts the family deliberately does not build, whose tensors
+# the loader passes over unread and does not report as unused (Gemma 4's audio tower), with
+# `checkpoint_skipped_reason`, the why the loader logs beside their count.
 
 
 # (model directory, config, GGUF file name or None, video device) -> the family's prompt side

@@ -153,11 +153,16 @@ def load_weights(
     otherwise it is dequantized into the parameter (fp32 values, then the parameter's dtype). Either way it
     counts as filled.
 
+    Tensors under the model's `checkpoint_skipped` prefixes (after the renames: parts a family deliberately does not
+    build, e.g. Gemma 4's audio tower) are passed over unread and not reported as unused; logged once at INFO.
+
     Raises if any parameter is left unset, so a naming mismatch can never run on random weights.
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     shard_targets = _shard_targets(model)
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    skipped: tuple[str, ...] = tuple(getattr(model, "checkpoint_skipped", ()))
+    not_served: dict[str, int] = {}
     # A family whose checkpoints store a tensor in another layout than its module converts it here.
     adapt = getattr(model, "adapt_checkpoint_tensor", None)
     tied = {name for name, p in params.items() if any(p is q and name != n for n, q in params.items())}
@@ -170,6 +175,10 @@ def load_weights(
                 if name.startswith(old):
                     name = new + name[len(old) :]
                     break
+            if skipped and name.startswith(skipped):  # before `adapt`, which would read it
+                prefix = next(p for p in skipped if name.startswith(p))
+                not_served[prefix] = not_served.get(prefix, 0) + 1
+                continue
             if adapt is not None and isinstance(tensor, GroupedWeights):
                 # A layout change works on plain weights: a quantized linear the family changes (probed on a meta
                 # tensor: adapters hand back what they leave alone) is dequantized first.
@@ -216,9 +225,17 @@ def load_weights(
             missing.append(name)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+    if not_served:
+        _log_not_served(not_served, getattr(model, "checkpoint_skipped_reason", ""))
     if unused:
         logger.warning("%d checkpoint tensors match no parameter, e.g. %s", len(unused), unused[:5])
     return unused
+
+
+def _log_not_served(counts: dict[str, int], reason: str) -> None:
+    by_prefix = ", ".join(f"{n} under {prefix!r}" for prefix, n in counts.items())
+    why = f": {reason}" if reason else ""
+    logger.info("%d checkpoint tensors not served (%s)%s", sum(counts.values()), by_prefix, why)
 
 
 def _linear_entries(model: nn.Module, tied: set[str]) -> dict[str, set[str]]:

@@ -2,7 +2,8 @@
 proportional (partial) RoPE, per-layer input embeddings, keys as values on the global layers
 (`attention_k_eq_v`), and KV shared across layers (the last layers read an earlier layer's KV and
 write none); Transformers' vision tower (images; a variable number of soft tokens each). Audio and
-video are not served yet."""
+video are not served yet: the E2B / E4B releases load without their audio tower (never built, its
+tensors skipped unread), and audio parts of a request are refused."""
 
 from vlm_engine.models.families.gemma4.vision import gemma4_prompts
 from vlm_engine.models.family import ModelFamily

@@ -1,5 +1,8 @@
 """Gemma 4 with its vision tower (Gemma4ForConditionalGeneration), images only.
 
+The E2B / E4B releases also carry an audio tower: it is not built, and the loader passes its tensors over
+unread (`checkpoint_skipped`); audio parts of a request are refused before they reach the model.
+
 The tower and its projection are Transformers' own modules (Gemma4VisionModel: 16-px patches, a
 learned 2-D position table, axial 2-D RoPE, q/k/v norms, a gated MLP, 3x3 pooling by patch position;
 Gemma4MultimodalEmbedder: a scale-free norm and one matrix). An image becomes a variable number of
@@ -15,6 +18,7 @@ other both ways on the sliding-window layers only (the global layers stay causal
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,12 @@ from vlm_engine.inputs import MediaInput
 from vlm_engine.models.families.gemma4.model import Gemma4ForCausalLM
 from vlm_engine.models.hf_prompts import Expansion, ProcessorPrompts, TokenizerPrompts, item_hash
 
+logger = logging.getLogger(__name__)
+
 POSITION_COLUMNS = 2  # a patch's (x, y), after its pixel values
+# Transformers' Gemma4Model.audio_tower / .embed_audio, as the released files name them (no rename applies).
+AUDIO_CHECKPOINT_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
+AUDIO_NOT_SERVED = "audio is not served (text and images are); requests with audio parts are refused"
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
@@ -40,6 +49,8 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         ("model.embed_vision.", "embed_vision."),
     )
     encoder_modules = ("vision_tower",)
+    checkpoint_skipped: tuple[str, ...] = ()
+    checkpoint_skipped_reason = AUDIO_NOT_SERVED
 
     def __init__(self, config: Any) -> None:
         from transformers.models.gemma4.modeling_gemma4 import (
@@ -49,9 +60,10 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         )
 
         vision = config.vision_config
-        if getattr(config, "audio_config", None) is not None:
-            raise NotImplementedError("Gemma 4 with an audio tower is not supported yet")
         super().__init__(config, config.text_config)
+        if getattr(config, "audio_config", None) is not None:  # E2B / E4B: served without their audio tower
+            self.checkpoint_skipped = AUDIO_CHECKPOINT_PREFIXES
+            logger.info("Gemma 4 audio tower not built: %s", AUDIO_NOT_SERVED)
         self.vision_tower = Gemma4VisionModel(vision)
         _stored_buffers_as_parameters(self.vision_tower)
         with torch.device("cpu"):  # its rotary table is computed, not loaded: real even when built on meta
