@@ -21,7 +21,9 @@ class Model:
     llama_ctx: Callable[[Path, int], int] | None = None  # llama-server -c from (checkpoint, slots); None: 65,536
     convert_args: tuple[str, ...] = ()  # llama.cpp: extra converter flags for the text GGUF
     vllm_args: tuple[str, ...] = ()  # vLLM: extra server flags
-    gguf_source: Callable[[], Path] | None = None  # llama.cpp: the unquantized checkpoint of a quantized row's weights
+    # llama.cpp: the directory of the unquantized checkpoint a quantized row was made from, built or not (the GGUF
+    # files made from it are found by its name; LlamaCpp.convert asks for it built only to make one)
+    gguf_source: Callable[[], Path] | None = None
 
 
 def _trained_context(path: Path, slots: int) -> int:
@@ -47,7 +49,7 @@ def _quantized_7b(fmt: str) -> Callable[[], Path]:
     def build() -> Path:
         import quantized_7b
 
-        return quantized_7b.CHECKPOINTS[fmt](MODELS["qwen2.5-vl-7b"].build())
+        return quantized_7b.CHECKPOINTS[fmt](QWEN2_5_VL_7B_DIR())
 
     return build
 
@@ -56,6 +58,8 @@ def _quantized_7b(fmt: str) -> Callable[[], Path]:
 # minutes of tower on 2 cores): it is told the workloads' 640x480 instead.
 VLLM_640x480 = ("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}, "video": 0}')
 QWEN2_5_VL_7B = _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-7b")
+# Its directory, not built: the quantized rows' files are found by its name, and only making one builds it (15 GB).
+QWEN2_5_VL_7B_DIR = _testkit("qwen_vl_checkpoints", "qwen2_5_vl_dir", "bench-7b")
 
 MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("smollm2", _testkit("checkpoints", "cached_smollm2"),
@@ -73,11 +77,11 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("qwen2.5-vl-7b-awq", _quantized_7b("awq"),
           "qwen2.5-vl-7b as AWQ GEMM 4-bit g128 zero point (AutoAWQ's RTN + packing), fp16 tower / head, 6.45 GiB",
           vision=True, mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context, vllm_args=VLLM_640x480,
-          gguf_source=QWEN2_5_VL_7B),
+          gguf_source=QWEN2_5_VL_7B_DIR),
     Model("qwen2.5-vl-7b-w8a8", _quantized_7b("w8a8"),
           "qwen2.5-vl-7b as compressed-tensors W8A8 int8 (llm-compressor's model_free_ptq), bf16 tower / head",
           vision=True, mmproj_type="bf16", quantize_from="bf16", llama_ctx=_trained_context, vllm_args=VLLM_640x480,
-          gguf_source=QWEN2_5_VL_7B),
+          gguf_source=QWEN2_5_VL_7B_DIR),
     Model("smolvlm2-500m", _testkit("smolvlm_checkpoints", "cached_smolvlm", "bench-500m"),
           "SmolVLM2-500M-Video-Instruct's config, random bf16 weights", vision=True, llama_ctx=_trained_or_2k_a_slot),
     # A random checkpoint has no multi-token-prediction head, which the Qwen3.5 converter expects unless told.

@@ -393,6 +393,8 @@ class LlamaCpp:
     def convert(self, hf_dir: Path, outtype: str, mmproj: bool = False, extra: tuple[str, ...] = ()) -> Path:
         """The tree's converter on our checkpoint (text model, or with mmproj its vision tower + projector)."""
         out = converted_path(hf_dir, outtype, mmproj)
+        if not out.exists() and not (hf_dir / "config.json").exists():  # a row's gguf_source, not built
+            raise FileNotFoundError(f"{hf_dir} is not built; {out.name} is made from it (benchmarks/quantized_7b.py)")
         converter = [sys.executable, str(CONVERT_SCRIPT), "convert", str(self.tree), "--"]
         cmd = [*converter, str(hf_dir), "--outtype", outtype, *extra]
         return _made_once(out, lambda tmp: [*cmd, "--outfile", str(tmp), *(["--mmproj"] if mmproj else [])])

@@ -64,7 +64,12 @@ def awq_checkpoint(base: Path) -> Path:
     # The tool's modules on PYTHONPATH, our interpreter (AutoAWQ cannot be installed beside our pins).
     path = os.pathsep.join([str(tool_path("autoawq")), str(Path(__file__).resolve().parents[1])])
     command = [sys.executable, __file__, "_awq", str(base)]
-    return cached_checkpoint(name, lambda tmp: _made_by(command, tmp, {"PYTHONPATH": path}, {"autoawq": version}))
+
+    def make(tmp: Path) -> None:
+        _built(base)
+        _made_by(command, tmp, {"PYTHONPATH": path}, {"autoawq": version})
+
+    return cached_checkpoint(name, make)
 
 
 def w8a8_checkpoint(base: Path) -> Path:
@@ -74,7 +79,12 @@ def w8a8_checkpoint(base: Path) -> Path:
     tool = TOOLS["llmcompressor"]
     name = f"{base.name}-w8a8-rtn-llmcompressor{tool.version}-m{MAKER_VERSION}"
     command = [str(quant_venv("llmcompressor") / "bin" / "python"), __file__, "_w8a8", str(base)]
-    return cached_checkpoint(name, lambda tmp: _made_by(command, tmp, {}, {}))
+
+    def make(tmp: Path) -> None:
+        _built(base)
+        _made_by(command, tmp, {}, {})
+
+    return cached_checkpoint(name, make)
 
 
 CHECKPOINTS: dict[str, Callable[[Path], Path]] = {"awq": awq_checkpoint, "w8a8": w8a8_checkpoint}
@@ -83,10 +93,25 @@ CHECKPOINTS: dict[str, Callable[[Path], Path]] = {"awq": awq_checkpoint, "w8a8":
 def gguf_pair(base: Path, llama: Any) -> tuple[Path, Path]:
     """(the Q4_K_M text GGUF, the BF16 mmproj) of `base`, from llama.cpp's converter and quantizer (`peers.LlamaCpp`)."""
     import models
+    import peers
 
     row = models.MODELS[BASE]
+    wanted = (peers.GGUF_CACHE / f"{base.name}-{GGUF_TYPE}.gguf", peers.converted_path(base, row.mmproj_type, True))
+    if not all(path.exists() for path in wanted):
+        _built(base)
     text = llama.quantized(base, GGUF_TYPE, row.quantize_from, row.convert_args, keep_source=False)
     return text, llama.convert(base, row.mmproj_type, mmproj=True)
+
+
+def _built(base: Path) -> Path:
+    """The bf16 source (`base`, where models.QWEN2_5_VL_7B_DIR names it), built now that a file is to be made from
+    it: the files are found by its name alone, so it may have been deleted (15 GB) once they were made."""
+    import models
+
+    built = models.MODELS[BASE].build()
+    if built != base:
+        raise RuntimeError(f"the bf16 source was built at {built}, not at {base}")
+    return built
 
 
 def _made_by(command: list[str], out: Path, env: dict[str, str], versions: dict[str, str]) -> None:
@@ -234,7 +259,7 @@ def make(formats: list[str]) -> dict[str, list[Path]]:
     import models
     import peers
 
-    base = models.model_dir(BASE)
+    base = models.QWEN2_5_VL_7B_DIR()  # built only if a file is missing
     made = {}
     for fmt in formats:
         start = time.monotonic()
@@ -250,7 +275,7 @@ def make(formats: list[str]) -> dict[str, list[Path]]:
 
 # format -> (models.MODELS alias, the sides `--smoke` starts on it by default)
 SMOKE = {"awq": ("qwen2.5-vl-7b-awq", ("ours",)), "w8a8": ("qwen2.5-vl-7b-w8a8", ("ours",)),
-         "gguf": ("qwen2.5-vl-7b", ("llama.cpp Q4_K_M + mmproj",))}  # fmt: skip
+         "gguf": ("qwen2.5-vl-7b-awq", ("llama.cpp Q4_K_M + mmproj",))}  # llama.cpp: the row's gguf_source  # fmt: skip
 SMOKE_KV_TOKENS, SMOKE_OUTPUT_TOKENS = 8192, 16
 
 

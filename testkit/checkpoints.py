@@ -753,6 +753,11 @@ def _cache_key(name: str) -> str:
     return f"{name}-v{BUILDER_VERSION}-tf{transformers.__version__}"
 
 
+def checkpoint_dir(name: str, cache_root: Path | None = None) -> Path:
+    """Where `cached_checkpoint(name, ...)` keeps its checkpoint, whether it is built or not."""
+    return (Path(cache_root) if cache_root is not None else default_cache_root()) / _cache_key(name)
+
+
 def cached_checkpoint(name: str, builder: Callable[[Path], object], cache_root: Path | None = None) -> Path:
     """Return `<cache_root>/<name>-v<version>-tf<transformers>`, building it once if missing.
 
@@ -760,8 +765,8 @@ def cached_checkpoint(name: str, builder: Callable[[Path], object], cache_root: 
     final one; it is renamed into place only when complete, so readers never see a
     half-written checkpoint and concurrent processes cannot corrupt each other.
     """
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
-    final = root / _cache_key(name)
+    final = checkpoint_dir(name, cache_root)
+    root = final.parent
     if (final / COMPLETE_MARKER).exists():
         return final
     root.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,7 @@ from testkit.checkpoints import (
     _is_norm_parameter,
     cached_checkpoint,
     cached_random_checkpoint,
+    checkpoint_dir,
     start_checkpoint,
     write_random_checkpoint,
 )
@@ -325,6 +326,11 @@ def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
 def cached_qwen2_5_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
     name = f"{QWEN2_5_VL.cache_stem}-{preset}-seed{seed}"  # cached_random_checkpoint's name
     return cached_checkpoint(name, lambda tmp: write_qwen2_5_vl(tmp, preset, seed), cache_root)
+
+
+def qwen2_5_vl_dir(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
+    """Where `cached_qwen2_5_vl(preset, seed)` is, built or not: the files made from a 7B's 15 GB name it alone."""
+    return checkpoint_dir(f"{QWEN2_5_VL.cache_stem}-{preset}-seed{seed}", cache_root)
 
 
 def cached_qwen3_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
