@@ -55,6 +55,9 @@ def build_model(
     # Build on the meta device: random initialization of weights we overwrite anyway costs seconds.
     with torch.device("meta"):
         model = cls(config)
+    names = loader.safetensors_names(source.directory) if source.gguf_path is None else None
+    if names is not None:  # a GGUF's config is tied exactly where the file stores no head of its own
+        loader.untie_stored(model, names)
     quantizing = bool(quantization) and device.type == "cpu" and dtype in QUANTIZED_DTYPES and quant_ops is not None
     # The linears to be quantized are filled in fp32: their codes come from the checkpoint's values
     # (a Q4_1 GGUF's own), not from those rounded to a bf16 model's dtype.
@@ -68,7 +71,7 @@ def build_model(
         if source.gguf_path is not None:  # exact numerics: gguf-py's fp32 values, as source.weights gives them
             weights = gguf_codes(source, config) if kernels is not None else weights
         else:
-            weights = loader.grouped_weights(weights, prequantized, loader.safetensors_names(source.directory))
+            weights = loader.grouped_weights(weights, prequantized, names or ())
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
     quantize = functools.partial(quantize_child, plan=plan, ops=quant_ops) if plan is not None else None

@@ -102,6 +102,40 @@ def safetensors_names(model_dir: Path) -> frozenset[str]:
     return frozenset(names)
 
 
+def untie_stored(model: nn.Module, names: Iterable[str]) -> list[str]:
+    """Give each tied parameter that the checkpoint (`names`, before the model's renames) stores beside a partner
+    a parameter of its own (same shape, dtype and device, unset); returns their names. Transformers 5's loader does
+    the same when both copies are present (it re-ties them where their values are equal; we keep them apart, which
+    costs the memory of one copy and changes no result): e.g. PaddleOCR-VL's released flat config, which
+    Transformers reads as tied, beside a file that stores its own `lm_head.weight`. Call it before the model's
+    storage is made and before anything plans by which parameters are tied."""
+    renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    stored = {renamed(name, renames) for name in names}
+    kept: dict[int, str] = {}  # id of a tied parameter -> the first stored name that keeps it
+    untied = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name not in stored:
+            continue
+        if id(param) not in kept:
+            kept[id(param)] = name
+            continue
+        module_path, _, param_name = name.rpartition(".")
+        own = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+        setattr(model.get_submodule(module_path), param_name, own)
+        untied.append(name)
+    if untied:
+        logger.info("the checkpoint stores tied parameters apart, loaded untied: %s", untied)
+    return untied
+
+
+def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name in our modules' names: the first of `renames` (prefix, ours) it starts with applied."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def grouped_weights(
     weights: Iterable[tuple[str, torch.Tensor | StoredTensor]], fmt: CheckpointFormat, names: Iterable[str]
 ) -> Iterator[tuple[str, torch.Tensor | StoredTensor | GroupedWeights]]:
@@ -171,10 +205,7 @@ def load_weights(
     unused: list[str] = []
     with torch.no_grad():
         for name, tensor in weights:
-            for old, new in renames:
-                if name.startswith(old):
-                    name = new + name[len(old) :]
-                    break
+            name = renamed(name, renames)
             if skipped and name.startswith(skipped):  # before `adapt`, which would read it
                 prefix = next(p for p in skipped if name.startswith(p))
                 not_served[prefix] = not_served.get(prefix, 0) + 1

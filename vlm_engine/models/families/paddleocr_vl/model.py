@@ -12,18 +12,16 @@ namings load here. The released encoder's
 The LM head: the released config.json is flat (text values at the top level) and says
 `tie_word_embeddings: false`, but Transformers 5.25 reads that form as tied (the flag lands on the outer
 config, the text config keeps its default True, and the outer one follows it); its loader then unties again
-because the file stores its own `lm_head.weight`. We follow the same rule: tied as the config says, unless
-the checkpoint directory holds a separate `lm_head.weight`.
+because the file stores its own `lm_head.weight`. We follow the same rule, for every family, in the loader
+(`loader.untie_stored`, called by build.build_model): tied as the config says, unless the checkpoint stores a
+separate `lm_head.weight`.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from vlm_engine.models.families.paddleocr_vl.vision import MergeProjector, NaViTVisionTower
 from vlm_engine.models.family import text_config_of
@@ -46,29 +44,8 @@ class PaddleOCRVLForConditionalGeneration(QwenVLForConditionalGeneration):
         self.projector = MergeProjector(
             config.vision_config.hidden_size, text_config_of(config).hidden_size, self.spatial_merge_size
         )
-        if self.lm_head.weight is self.model.embed_tokens.weight and stores_lm_head(config):
-            self.lm_head.weight = nn.Parameter(torch.empty_like(self.lm_head.weight))
 
     def visual_features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
         return self.projector(self.visual(pixels, grids), grids)
 
-
-def stores_lm_head(config: Any) -> bool:
-    """Whether the safetensors checkpoint the config was read from holds its own `lm_head.weight`
-    (False for a config built in memory)."""
-    name = getattr(config, "_name_or_path", "") or ""
-    directory = Path(name)
-    if not name or not directory.is_dir():
-        return False
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return "lm_head.weight" in json.loads(index.read_text())["weight_map"]
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        return False
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as f:
-        names: list[str] = f.keys()  # the header's names; no tensor is read
-    return "lm_head.weight" in names
