@@ -456,8 +456,6 @@ def iter_weights(
     converter split is yielded once all its parts were read (they lie next to each other in the file). With
     `codes`, the text decoder's quantized linears and the LM head come as their blocks' GroupedWeights
     (loader.gguf_tensor)."""
-    from gguf.quants import dequantize
-
     if mmproj is None and gguf_architecture(text) == "llama":  # SmolVLM's text alone
         yield from iter_gguf(text, config, codes)
         return
@@ -469,14 +467,13 @@ def iter_weights(
             if target is None:
                 raise ValueError(f"{path.name}: GGUF tensor {tensor.name} belongs to no parameter of the model")
             if len(target.parts) == 1:
-                value = gguf_tensor(tensor, target.name, target.rope_heads, codes and path == text)
-                if target.norm_shift:  # a norm: always dense fp32
-                    assert isinstance(value, torch.Tensor)
-                    value = value - target.norm_shift  # in fp32, as the converter added it
-                yield target.name, value
+                codes_here = codes and path == text
+                yield target.name, gguf_tensor(tensor, target.name, target.rope_heads, codes_here, target.norm_shift)
                 continue
             parts = pending.setdefault(target.name, {})
-            parts[tensor.name] = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            part = gguf_tensor(tensor, target.name, norm_shift=target.norm_shift)
+            assert isinstance(part, torch.Tensor)  # dense: no codes asked
+            parts[tensor.name] = part.numpy()
             if len(parts) == len(target.parts):
                 del pending[target.name]
                 arrays = [parts[p] for p in target.parts]

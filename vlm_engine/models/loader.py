@@ -415,15 +415,19 @@ def iter_gguf(path: Path, config: object, codes: bool = False) -> Iterator[tuple
         yield name, gguf_tensor(tensor, name, rope_heads, codes)
 
 
-def gguf_tensor(tensor: Any, name: str, rope_heads: int = 0, codes: bool = False) -> torch.Tensor | GroupedWeights:
+def gguf_tensor(
+    tensor: Any, name: str, rope_heads: int = 0, codes: bool = False, norm_shift: float = 0.0
+) -> torch.Tensor | GroupedWeights:
     """One GGUF tensor (gguf-py's ReaderTensor) as the checkpoint tensor `name`: gguf-py's fp32 values, or with
     `codes` for a quantized linear of the decoder or the LM head its GroupedWeights (quant_formats/gguf_blocks.py:
     our int4 / int8 blocks, read from the file's). `rope_heads`: llama.cpp permuted the rows per head of this
-    many for its RoPE: undone (on the values, or on the codes' rows)."""
+    many for its RoPE: undone (on the values, or on the codes' rows). `norm_shift`: the converter added this to
+    the values (Gemma's RMSNorm scales by 1 + w, llama.cpp's by w): subtracted in fp32, as it was added; such a
+    tensor (a norm) is always read dense. Every dense read of a GGUF tensor goes through here."""
     from gguf.quants import dequantize
 
     shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the inputs (ne0) first
-    if codes and gguf_blocks.serves_from_codes(name, len(shape)):
+    if codes and not norm_shift and gguf_blocks.serves_from_codes(name, len(shape)):
         lm_head = name == "lm_head.weight"
         grouped = gguf_blocks.grouped_of(tensor.tensor_type.name, tensor.data, shape, lm_head)  # type: ignore[arg-type]
         if grouped is not None:
@@ -434,7 +438,8 @@ def gguf_tensor(tensor: Any, name: str, rope_heads: int = 0, codes: bool = False
     array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     if rope_heads:
         array = unpermute_rope_rows(array, rope_heads)
-    return torch.from_numpy(np.array(array, copy=True))
+    values = torch.from_numpy(np.array(array, copy=True))
+    return values - norm_shift if norm_shift else values
 
 
 def _gguf_to_hf_name(name: str) -> str | None:
