@@ -1,12 +1,18 @@
 """The loader's generic hooks on small modules: tied parameters the checkpoint stores apart are untied
-(`loader.untie_stored`, what PaddleOCR-VL's flat released config needs)."""
+(`loader.untie_stored`, what PaddleOCR-VL's flat released config needs); a pre-quantized checkpoint's tensors
+under a family's `checkpoint_skipped` prefixes (Gemma 4's audio tower) pass `grouped_weights` unread."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from vlm_engine.models import loader
+from vlm_engine.models.quant_formats import GroupedWeights, checkpoint_format
 
 
 class TiedLM(nn.Module):
@@ -36,3 +42,53 @@ def test_one_stored_copy_stays_tied() -> None:
         model = TiedLM()
         assert loader.untie_stored(model, names) == []
         assert model.lm_head.weight is model.embed.weight
+
+
+class TextWithoutAudio(nn.Module):
+    """A text linear; the checkpoint's `model.audio_tower.*` (renamed `audio.*`) is not built."""
+
+    checkpoint_renames = (("model.audio_tower.", "audio."),)
+    checkpoint_skipped = ("audio.",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text = nn.Linear(64, 16, bias=False)
+
+
+W4A16 = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32,
+    }}},
+}  # fmt: skip
+
+
+def test_a_skipped_prefix_of_a_prequantized_checkpoint_passes_unread_and_is_not_left_over(tmp_path: Path) -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(-8, 8, (16, 64), generator=g, dtype=torch.int8)
+    scale = torch.rand(16, 2, generator=g) * 0.05 + 0.01
+    components = {
+        "weight_packed": pack_to_int32(codes, 4),
+        "weight_scale": scale,
+        "weight_shape": torch.tensor([16, 64]),
+    }
+    tensors = {
+        f"{linear}.{c}": t.clone() for linear in ("text", "model.audio_tower.proj") for c, t in components.items()
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    fmt = checkpoint_format({"quantization_config": W4A16})
+    assert fmt is not None
+
+    def stream(model: nn.Module) -> Iterator[tuple[str, torch.Tensor | loader.StoredTensor | GroupedWeights]]:
+        names = loader.safetensors_names(tmp_path)
+        return loader.grouped_weights(loader.iter_safetensors(tmp_path), fmt, names, loader.skips(model))
+
+    passed = {name: type(tensor) for name, tensor in stream(TextWithoutAudio())}
+    audio = {n for n in tensors if n.startswith("model.audio_tower.")}
+    assert passed == {"text.weight": GroupedWeights, **dict.fromkeys(audio, loader.StoredTensor)}
+    model = TextWithoutAudio()
+    assert loader.load_weights(model, stream(model)) == []
+    want = scale.repeat_interleave(32, dim=1) * codes.float()
+    assert torch.equal(model.text.weight, want)

@@ -71,7 +71,7 @@ def build_model(
         if source.gguf_path is not None:  # exact numerics: gguf-py's fp32 values, as source.weights gives them
             weights = gguf_codes(source, config) if kernels is not None else weights
         else:
-            weights = loader.grouped_weights(weights, prequantized, names or ())
+            weights = loader.grouped_weights(weights, prequantized, names or (), loader.skips(model))
     # Each linear quantized or packed as soon as it is filled: the plain weights never all exist beside those.
     packing = prepack and prepack_supported(device, dtype)
     quantize = functools.partial(quantize_child, plan=plan, ops=quant_ops) if plan is not None else None

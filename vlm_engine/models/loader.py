@@ -136,18 +136,30 @@ def renamed(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name
 
 
+def skips(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a checkpoint name (as stored, before the model's renames) lies under one of the model's
+    `checkpoint_skipped` prefixes: a part the family does not build, passed over unread."""
+    renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
+    skipped: tuple[str, ...] = tuple(getattr(model, "checkpoint_skipped", ()))
+    return lambda name: bool(skipped) and renamed(name, renames).startswith(skipped)
+
+
 def grouped_weights(
-    weights: Iterable[tuple[str, torch.Tensor | StoredTensor]], fmt: CheckpointFormat, names: Iterable[str]
+    weights: Iterable[tuple[str, torch.Tensor | StoredTensor]],
+    fmt: CheckpointFormat,
+    names: Iterable[str],
+    skip: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | StoredTensor | GroupedWeights]]:
     """A pre-quantized checkpoint's stream with each quantized linear's components (`fmt.components`) gathered
     into one `(linear + ".weight", GroupedWeights)` as soon as the last of them is read: one linear's codes in
     memory at a time. A linear is quantized where the checkpoint (`names`) holds all its components; every
-    other tensor passes as stored."""
+    other tensor passes as stored, and so does every one that `skip` names (`skips(model)`: load_weights passes
+    over it unread and does not count it unused)."""
     stored = frozenset(names)
     quantized: dict[str, bool] = {}
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
-        owner = fmt.linear_of(name)
+        owner = None if skip is not None and skip(name) else fmt.linear_of(name)
         if owner is None:
             yield name, tensor
             continue
