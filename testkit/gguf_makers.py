@@ -109,7 +109,8 @@ def _gemma3_source() -> Path:
 def _released_gemma3_names(saved: Path) -> Path:
     """`saved` with its tower under the released checkpoints' `vision_tower.vision_model.` (Transformers 5
     saves it as `vision_tower.`, a name gguf-py's map does not know): the files a user converts. The other
-    files are links to `saved`'s."""
+    files (config, tokenizer, templates: small) are copies of `saved`'s, not links, so the directory stays whole
+    when `saved` is moved or a temporary cache holding it is deleted."""
     from safetensors.torch import load_file, save_file
 
     out = cache_root() / f"{saved.name}-released-names"
@@ -120,7 +121,7 @@ def _released_gemma3_names(saved: Path) -> Path:
     try:
         for item in saved.iterdir():
             if item.suffix != ".safetensors":
-                (staging / item.name).symlink_to(item)
+                shutil.copy2(item, staging / item.name)
         tensors = load_file(str(saved / "model.safetensors"))
         tower = "vision_tower."
         renamed = {
