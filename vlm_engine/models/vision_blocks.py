@@ -237,11 +237,27 @@ class VisionAttention(nn.Module):
         indexes: list[torch.Tensor | None],
         fused: ModuleType | None,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(1)
-        if fused is not None:  # in place on the qkv output, cos/sin already in x's dtype
-            fused.rotary_(q, k, cos, sin)
-        else:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        return self.proj(segment_attention(q, k, v, groups, indexes, self.scale))
+        attended = rotary_segment_attention(self.qkv(x), self.num_heads, cos, sin, groups, indexes, self.scale, fused)
+        return self.proj(attended)
+
+
+def rotary_segment_attention(
+    qkv: torch.Tensor,
+    num_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    groups: tuple[SegmentGroup, ...],
+    indexes: list[torch.Tensor | None],
+    scale: float,
+    fused: ModuleType | None,
+) -> torch.Tensor:
+    """A fused q/k/v projection's output [N, 3 * hidden] -> [N, hidden]: q and k rotated by the 2-D RoPE, then
+    attention within each segment (`segment_attention`); the towers' attention blocks differ only in their
+    projections' names (VisionAttention, PaddleOCR-VL's RotaryPackedAttention)."""
+    n = qkv.shape[0]
+    q, k, v = qkv.view(n, 3, num_heads, -1).unbind(1)
+    if fused is not None:  # in place on the qkv output, cos/sin already in its dtype
+        fused.rotary_(q, k, cos, sin)
+    else:
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+    return segment_attention(q, k, v, groups, indexes, scale)

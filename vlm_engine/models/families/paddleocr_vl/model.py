@@ -48,4 +48,3 @@ class PaddleOCRVLForConditionalGeneration(QwenVLForConditionalGeneration):
     def visual_features(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = tuple((int(t), int(h), int(w)) for t, h, w in grid_thw.tolist())
         return self.projector(self.visual(pixels, grids), grids)
-

@@ -32,8 +32,7 @@ from vlm_engine.models.vision_blocks import (
     merge_block_positions,
     rope_tables,
     rope_theta,
-    rotate,
-    segment_attention,
+    rotary_segment_attention,
 )
 
 Grids = tuple[tuple[int, int, int], ...]
@@ -111,13 +110,10 @@ class RotaryPackedAttention(SiglipAttention):
         indexes: list[torch.Tensor | None],
         fused: Any,
     ) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        if fused is not None:  # in place on the qkv output, cos/sin already in x's dtype
-            fused.rotary_(q, k, cos, sin)
-        else:
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        return self.out_proj(segment_attention(q, k, v, groups, indexes, self.scale))
+        attended = rotary_segment_attention(
+            self.qkv_proj(x), self.num_heads, cos, sin, groups, indexes, self.scale, fused
+        )
+        return self.out_proj(attended)
 
 
 class NaViTEncoderLayer(nn.Module):
