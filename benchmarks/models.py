@@ -20,6 +20,7 @@ class Model:
     quantize_from: str = "f32"  # llama.cpp: the converted file llama-quantize starts from
     llama_ctx: Callable[[Path, int], int] | None = None  # llama-server -c from (checkpoint, slots); None: 65,536
     convert_args: tuple[str, ...] = ()  # llama.cpp: extra converter flags for the text GGUF
+    llama_args: tuple[str, ...] = ()  # llama.cpp: extra llama-server flags
     vllm_args: tuple[str, ...] = ()  # vLLM: extra server flags
     # llama.cpp: the directory of the unquantized checkpoint a quantized row was made from, built or not (the GGUF
     # files made from it are found by its name; LlamaCpp.convert asks for it built only to make one)
@@ -57,6 +58,10 @@ def _quantized_7b(fmt: str) -> Callable[[], Path]:
 # vLLM profiles its encoder with the largest image the processor allows (16.7 MP for Qwen2.5-VL and Qwen3.5, about 20
 # minutes of tower on 2 cores): it is told the workloads' 640x480 instead.
 VLLM_640x480 = ("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "height": 480}, "video": 0}')
+# Gemma 4's processor resizes every image to its budget of 280 soft tokens (266 for 4:3); llama.cpp's own resize
+# keeps an image between 70 and 1,120 tokens, near its size (about 100 for 320x240): told the processor's budget,
+# every side sees the same images at the same cost.
+GEMMA4_280_TOKENS = ("--image-min-tokens", "280", "--image-max-tokens", "280")
 QWEN2_5_VL_7B = _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-7b")
 # Its directory, not built: the quantized rows' files are found by its name, and only making one builds it (15 GB).
 QWEN2_5_VL_7B_DIR = _testkit("qwen_vl_checkpoints", "qwen2_5_vl_dir", "bench-7b")
@@ -88,6 +93,12 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("qwen3.5-2b", _testkit("qwen3_5_checkpoints", "cached_qwen3_5", "bench-2b"),
           "Qwen3.5-shaped, 1.71B: 18 Gated DeltaNet + 6 gated-attention layers, hidden 2048, random bf16 weights",
           vision=True, mmproj_type="bf16", quantize_from="bf16", convert_args=("--no-mtp",), vllm_args=VLLM_640x480),
+    # Issue 52: Gemma 4 E4B's layers (KV shared by the last 18, per-layer inputs) and small tower, 4,096-token
+    # SentencePiece-style vocabulary (llama.cpp's Gemma 4 converter reads no other kind).
+    Model("gemma4-e4b", _testkit("gemma4_checkpoints", "cached_gemma4_bench", "bench-e4b"),
+          "gemma-4-E4B-it's layer and tower shapes, random bf16 weights, 4,096-token vocabulary, 280 soft tokens an "
+          "image", vision=True, mmproj_type="bf16", quantize_from="bf16", vllm_args=VLLM_640x480,
+          llama_args=GEMMA4_280_TOKENS),
     Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
 )}  # fmt: skip
 

@@ -471,6 +471,7 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             gguf = llama.quantized(source, kind, model.quantize_from, model.convert_args)
         mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
         args = ("--mmproj", str(llama.convert(source, mmproj_type, mmproj=True))) if model.vision else ()
+        args += getattr(model, "llama_args", ())
         ctx = kv_tokens or (model.llama_ctx(hf_dir, slots) if model.llama_ctx else 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip

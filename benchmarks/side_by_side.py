@@ -171,6 +171,13 @@ SUITES: dict[str, Suite] = {
         ("ours", "llama.cpp Q4_K_M + mmproj", "vllm bf16"), QUANTIZED_7B_COLUMNS,
         ratios=(("ours", "llama.cpp Q4_K_M + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
     ),  # fmt: skip
+    # Gemma-4-E4B-shaped (issue 52): the data processor and image chat against llama.cpp (BF16 text + BF16 mmproj)
+    # and vLLM's CPU build, all bf16; 32,768 KV tokens a side.
+    "gemma4": Suite(
+        tuple(Plan(w, w, "gemma4-e4b", (1, 8), min_requests=2, per_slot=2) for w in ("data", "imagechat")),
+        ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
+        ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
+    ),  # fmt: skip
     # vLLM's CPU build (PEERS.md: benchmarks/.vllm-venv): SmolLM2 chat and the data processor, bf16.
     "vllm": Suite(
         (Plan("textchat", "textchat", "smollm2", (1, 16, 64), per_slot=3),

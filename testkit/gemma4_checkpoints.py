@@ -81,7 +81,7 @@ def gemma4_text_config(spec: dict[str, Any], token_ids: dict[str, int], vocab_si
         hidden_activation="gelu_pytorch_tanh",
         rms_norm_eps=1e-6,
         # Untied, as the tiny Gemma 3: a tied tiny model's greedy tokens repeat the prompt's last one.
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.get("tie_word_embeddings", False),
         bos_token_id=token_ids["<bos>"],
         eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
         pad_token_id=token_ids["<pad>"],
@@ -189,10 +189,17 @@ GEMMA4_VLM_PRESETS["tiny-audio"] = {
 
 def _build_vlm_tokenizer(staging: Path) -> Any:
     from tokenizers import AddedToken
-    from transformers import AutoTokenizer
 
     tok = _train_bpe_tokenizer()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA4_VLM_TOKENS])
+    return _saved_vlm_tokenizer(tok, staging)
+
+
+def _saved_vlm_tokenizer(tok: Any, staging: Path) -> Any:
+    """`tok` (a `tokenizers.Tokenizer` holding Gemma 4's specials) written to `staging` with the markers named
+    (Gemma4Processor reads them from the tokenizer) and loaded back with the test chat template."""
+    from transformers import AutoTokenizer
+
     staging.mkdir(parents=True, exist_ok=True)
     tok.save(str(staging / "tokenizer.json"))
     tokenizer_config = {
@@ -221,7 +228,7 @@ def gemma4_vlm_config(spec: dict[str, Any], token_ids: dict[str, int], vocab_siz
         audio_token_id=token_ids[GEMMA4_MARKERS["audio_token"]],
         boa_token_id=token_ids[GEMMA4_MARKERS["boa_token"]],
         eoa_token_index=token_ids[GEMMA4_MARKERS["eoa_token"]],
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.get("tie_word_embeddings", False),
         architectures=["Gemma4ForConditionalGeneration"],
         eos_token_id=[token_ids["<eos>"], token_ids["<end_of_turn>"]],
     )
@@ -264,3 +271,88 @@ GEMMA4_VLM = RandomCheckpoint(
 
 def cached_gemma4_vlm(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
     return cached_random_checkpoint(GEMMA4_VLM, preset, seed, cache_root)
+
+
+# ---- the benchmark VLM (issue 52) ------------------------------------------------------------------------
+
+# gemma-4-E4B-it's layer shapes (tests/released_configs.py GEMMA4_TEXT / GEMMA4_VISION_SMALL, which
+# tests/test_gemma4_family.py checks these against) with the testkit's small vocabulary: 42 layers of 2560, 8
+# heads of 256 (sliding, window 512) / 512 (global), 2 KV heads, the last 18 layers reading earlier layers' KV,
+# per-layer inputs of 256, tied; the small models' tower (16 layers of 768, clipped linears) at the processor's
+# default budget of 280 soft tokens an image. bf16, about 8 GB. No audio tower: a benchmark of images.
+GEMMA4_E4B_TEXT: dict[str, Any] = {
+    "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 42, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 256, "global_head_dim": 512, "sliding_window": 512,
+    "num_kv_shared_layers": 18, "use_double_wide_mlp": False, "hidden_size_per_layer_input": 256,
+    "layer_types": ([SLIDING] * 5 + [FULL]) * 7, "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 131072, "use_bidirectional_attention": "vision",
+    "rope_parameters": {
+        SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
+        FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
+GEMMA4_E4B_VISION: dict[str, Any] = {
+    "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 16, "num_attention_heads": 12,
+    "num_key_value_heads": 12, "head_dim": 64, "patch_size": 16, "pooling_kernel_size": 3,
+    "position_embedding_size": 10240, "standardize": False, "use_clipped_linears": True,
+}  # fmt: skip
+GEMMA4_BENCH_PRESETS: dict[str, dict[str, Any]] = {
+    "bench-e4b": {
+        # default_output_length: the released vision configs' budget field, which vLLM reads (Transformers 5.25's
+        # class no longer defines it, and keeps it as an extra attribute)
+        "text": GEMMA4_E4B_TEXT, "vision": {**GEMMA4_E4B_VISION, "default_output_length": 280},
+        "max_soft_tokens": 280, "tie_word_embeddings": True,
+        "std": 0.02, "norm_std": 0.02, "dtype": "bfloat16",
+    },
+}  # fmt: skip
+SPM_VOCAB_SIZE = 4096
+
+
+def _train_spm_bpe() -> Any:
+    """A SentencePiece-style BPE as Gemma's tokenizer.json holds one (spaces normalized to U+2581, merges over
+    whole lines, 256 byte-fallback tokens, decoded by Replace + ByteFallback + Fuse), trained on the testkit's
+    fixed corpus. llama.cpp's converter reads Gemma 4's vocabulary only in this form (a byte-level BPE is
+    refused), so the benchmark checkpoint needs it on every side."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    from testkit.checkpoints import _tokenizer_corpus
+
+    def pipeline(tok: Any) -> Any:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")  # llama.cpp's gemma4 split
+        return tok
+
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    reserved = len(GEMMA4_VLM_TOKENS) + 1 + len(byte_tokens)  # the specials, <unk>, the bytes
+    trained = pipeline(Tokenizer(BPE()))
+    trainer = trainers.BpeTrainer(vocab_size=SPM_VOCAB_SIZE - reserved, min_frequency=2, show_progress=False)
+    trained.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    head = [*GEMMA4_VLM_TOKENS, "<unk>", *byte_tokens]
+    pieces = [p for p in sorted(model["vocab"], key=model["vocab"].__getitem__) if p not in head]
+    vocab = {piece: i for i, piece in enumerate(head + pieces)}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = pipeline(Tokenizer(BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA4_VLM_TOKENS])
+    return tok
+
+
+GEMMA4_BENCH_BUILDER_VERSION = 1
+
+GEMMA4_BENCH = RandomCheckpoint(
+    f"gemma4-bench-b{GEMMA4_BENCH_BUILDER_VERSION}",
+    GEMMA4_BENCH_PRESETS,
+    build_tokenizer=lambda staging: _saved_vlm_tokenizer(_train_spm_bpe(), staging),
+    token_names=GEMMA4_VLM_TOKENS,
+    config=GEMMA4_VLM.config,
+    model=_vlm_model,
+    init=GEMMA4_VLM.init,
+    generation=GEMMA4.generation,
+    processor=_vlm_processor,
+)
+
+
+def cached_gemma4_bench(preset: str = "bench-e4b", seed: int = 0, cache_root: Path | None = None) -> Path:
+    return cached_random_checkpoint(GEMMA4_BENCH, preset, seed, cache_root)

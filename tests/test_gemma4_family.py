@@ -264,3 +264,31 @@ def test_a_checkpoint_with_an_audio_tower_serves_text_and_images() -> None:
         assert eng.chat([conv], GREEDY)[0].token_ids == hf_greedy(hf, conv, MAX_TOKENS)
     with pytest.raises(PromptError, match="input_audio"):
         eng.process_messages([{"role": "user", "content": [AUDIO_PART, {"type": "text", "text": "Hi"}]}])
+
+
+def test_the_benchmark_checkpoint_has_the_released_e4b_shapes() -> None:
+    """benchmarks' gemma4-e4b row claims gemma-4-E4B-it's layers and tower: its preset must not drift from them."""
+    from testkit.gemma4_checkpoints import GEMMA4_E4B_TEXT, GEMMA4_E4B_VISION
+    from tests.released_configs import GEMMA4_VISION_SMALL
+
+    for key, value in GEMMA4_TEXT["gemma-4-E4B"].items():
+        assert GEMMA4_E4B_TEXT[key] == (list(value) if isinstance(value, (list, tuple)) else value), key
+    assert GEMMA4_E4B_VISION == GEMMA4_VISION_SMALL
+
+
+def test_the_benchmark_tokenizer_is_one_llama_cpp_converts(tmp_path: Any) -> None:
+    """The SentencePiece-style BPE round-trips any text through its byte fallback, and the converter's reader
+    (gguf's LlamaHfVocab, which refuses a byte-level BPE) takes it with every token."""
+    import gguf
+
+    from testkit.gemma4_checkpoints import GEMMA4_VLM_TOKENS, SPM_VOCAB_SIZE, _saved_vlm_tokenizer, _train_spm_bpe
+
+    tokenizer = _saved_vlm_tokenizer(_train_spm_bpe(), tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    text = "Describe the photo.\n\nÜnïcödé ☃ and  two  spaces"
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert "<0xE2>" in tokenizer.convert_ids_to_tokens(ids)  # ☃ is not in the trained pieces: bytes stand in
+    assert len(tokenizer) == SPM_VOCAB_SIZE
+    assert all(tokenizer.convert_tokens_to_ids(t) == i for i, t in enumerate(GEMMA4_VLM_TOKENS))
+    assert len(list(gguf.LlamaHfVocab(tmp_path).all_tokens())) == SPM_VOCAB_SIZE
