@@ -88,6 +88,12 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
     Model("qwen3.5-2b", _testkit("qwen3_5_checkpoints", "cached_qwen3_5", "bench-2b"),
           "Qwen3.5-shaped, 1.71B: 18 Gated DeltaNet + 6 gated-attention layers, hidden 2048, random bf16 weights",
           vision=True, mmproj_type="bf16", quantize_from="bf16", convert_args=("--no-mtp",), vllm_args=VLLM_640x480),
+    # The release's config.json form (model type mistral3, "LightOnOCRForConditionalGeneration"), which vLLM's and
+    # llama.cpp's LightOnOCR code read; ours serves that spelling as Transformers' LightOnOcr class.
+    Model("lightonocr-1b", _testkit("mistral3_checkpoints", "cached_mistral3", "bench-1b"),
+          "LightOnOCR-1B-1025's config (Pixtral 1024 x 24 tower, Qwen3 28 x 1024 decoder, tied), random bf16 weights, "
+          "2,058-token vocabulary, 1.59 GiB", vision=True, mmproj_type="bf16", quantize_from="bf16",
+          vllm_args=VLLM_640x480),
     Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
 )}  # fmt: skip
 

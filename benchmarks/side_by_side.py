@@ -59,6 +59,7 @@ class Suite:
     memory: bool = False  # the RSS table
     decode_roofline: str | None = None  # a model: the in-process batch-64 decode line under the table
     note: str = ""
+    env: tuple[tuple[str, str], ...] = ()  # set for every side's server (a peer's option that it reads from its env)
 
 
 TTFT = Column("ttft.p50", "TTFT p50 ms", "joined")
@@ -162,6 +163,17 @@ SUITES: dict[str, Suite] = {
         ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
         ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
     ),  # fmt: skip
+    # LightOnOCR-1B-shaped (issue 52): the data processor and image chat against llama.cpp (BF16 text + BF16 mmproj)
+    # and vLLM's CPU build, all bf16, on the same files (the release's config.json form); 32,768 KV tokens a side.
+    # llama.cpp resizes every LightOnOCR image up to the tower's 1540-px edge (2,310 tokens for a 640x480 photo, over
+    # 4 minutes of tower on 2 cores; requests time out at concurrency 8) unless capped: 400 tokens keeps a 640x480
+    # photo at the 391 tokens ours and Transformers give it (a 320x240 one still grows to 391, against 99).
+    "lightonocr": Suite(
+        tuple(Plan(w, w, "lightonocr-1b", (1, 8), min_requests=2, per_slot=2) for w in ("data", "imagechat")),
+        ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
+        ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
+        env=(("LLAMA_ARG_IMAGE_MAX_TOKENS", "400"),),
+    ),  # fmt: skip
     # Issue 51: the Qwen2.5-VL-7B-shaped weights quantized by the tools (benchmarks/quantized_7b.py makes the files):
     # image chat at concurrency 1 and 8, decode (128 tokens a text request) at batch 1 and 16, RSS; ours and vLLM's
     # CPU build on the same AWQ, then W8A8, directory; llama.cpp on the Q4_K_M GGUF of the bf16 weights beside each
@@ -202,7 +214,7 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
                         pss_after_start_bytes=tree_pss_bytes(server.proc.pid),
                         startup_hwm_bytes=sum(sampler.hwm_bytes.values()), weight_bytes=peers.weight_bytes(spec),
-                        command=" ".join(spec.command(server.port)))  # fmt: skip
+                        command=" ".join([*(f"{k}={v}" for k, v in spec.env), *spec.command(server.port)]))  # fmt: skip
             print(f"[rep {rep}] {spec.name} on {hf_dir.name}: up in {server.startup_s:.0f} s", flush=True)
             with peers.every(0.2, sampler.sample):
                 for plan in plans:
@@ -264,6 +276,13 @@ def kv_log_line(log: str) -> str:
     return "?"
 
 
+def suite_side_spec(suite: Suite, side: str, row: models.Model, hf_dir: Path, slots: int,
+                    llama: peers.LlamaCpp | None) -> peers.ServerSpec:  # fmt: skip
+    """peers.side_spec under the suite: its KV tokens, and its environment on every server."""
+    spec = peers.side_spec(side, row, hf_dir, slots=slots, kv_tokens=suite.kv_tokens, llama=llama)
+    return replace(spec, env=spec.env + suite.env)
+
+
 def run_suite(suite: Suite, args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     llama = None
     if any(s.startswith("llama.cpp") for s in suite.sides):
@@ -281,7 +300,7 @@ def run_suite(suite: Suite, args: argparse.Namespace, out: Path) -> tuple[list[d
                 row = models.model_of(alias)
                 slots = max(max(p.concurrency, default=1) for p in plans)
                 try:
-                    spec = peers.side_spec(side, row, dirs[alias], slots=slots, kv_tokens=suite.kv_tokens, llama=llama)
+                    spec = suite_side_spec(suite, side, row, dirs[alias], slots, llama)
                 except (FileNotFoundError, ValueError, OSError) as exc:
                     infos.append({"server": side, "rep": rep, "error": f"{type(exc).__name__}: {exc}"[:1000]})
                     print(f"{side}: {exc}", flush=True)
