@@ -62,6 +62,10 @@ VLLM_640x480 = ("--limit-mm-per-prompt", '{"image": {"count": 1, "width": 640, "
 # keeps an image between 70 and 1,120 tokens, near its size (about 100 for 320x240): told the processor's budget,
 # every side sees the same images at the same cost.
 GEMMA4_280_TOKENS = ("--image-min-tokens", "280", "--image-max-tokens", "280")
+# llama.cpp resizes every LightOnOCR image up to the tower's 1540-px edge (2,310 tokens for a 640x480 photo, over 4
+# minutes of tower on 2 cores; requests time out at concurrency 8) unless capped: 400 tokens keeps a 640x480 photo at
+# the 391 tokens ours and Transformers give it (a 320x240 one still grows to 391, against their 99).
+LIGHTONOCR_400_TOKENS = ("--image-max-tokens", "400")
 QWEN2_5_VL_7B = _testkit("qwen_vl_checkpoints", "cached_qwen2_5_vl", "bench-7b")
 # Its directory, not built: the quantized rows' files are found by its name, and only making one builds it (15 GB).
 QWEN2_5_VL_7B_DIR = _testkit("qwen_vl_checkpoints", "qwen2_5_vl_dir", "bench-7b")
@@ -99,6 +103,12 @@ MODELS: dict[str, Model] = {m.alias: m for m in (
           "gemma-4-E4B-it's layer and tower shapes, random bf16 weights, 4,096-token vocabulary, 280 soft tokens an "
           "image", vision=True, mmproj_type="bf16", quantize_from="bf16", vllm_args=VLLM_640x480,
           llama_args=GEMMA4_280_TOKENS),
+    # The release's config.json form (model type mistral3, "LightOnOCRForConditionalGeneration"), which vLLM's and
+    # llama.cpp's LightOnOCR code read; ours serves that spelling as Transformers' LightOnOcr class.
+    Model("lightonocr-1b", _testkit("mistral3_checkpoints", "cached_mistral3", "bench-1b"),
+          "LightOnOCR-1B-1025's config (Pixtral 1024 x 24 tower, Qwen3 28 x 1024 decoder, tied), random bf16 weights, "
+          "2,058-token vocabulary, 1.59 GiB", vision=True, mmproj_type="bf16", quantize_from="bf16",
+          vllm_args=VLLM_640x480, llama_args=LIGHTONOCR_400_TOKENS),
     Model("gemma3-4b", _testkit("gemma3_checkpoints", "cached_gemma3", "bench-4b"), "gemma-3-4b-it's config, random bf16 weights"),
 )}  # fmt: skip
 

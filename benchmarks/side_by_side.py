@@ -162,6 +162,14 @@ SUITES: dict[str, Suite] = {
         ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
         ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
     ),  # fmt: skip
+    # LightOnOCR-1B-shaped (issue 52): the data processor and image chat against llama.cpp (BF16 text + BF16 mmproj)
+    # and vLLM's CPU build, all bf16, on the same files (the release's config.json form); 32,768 KV tokens a side.
+    # llama.cpp's images capped at 400 tokens (models.LIGHTONOCR_400_TOKENS says why).
+    "lightonocr": Suite(
+        tuple(Plan(w, w, "lightonocr-1b", (1, 8), min_requests=2, per_slot=2) for w in ("data", "imagechat")),
+        ("ours", "llama.cpp BF16 + mmproj", "vllm bf16"), MULTIMODAL_COLUMNS,
+        ratios=(("ours", "llama.cpp BF16 + mmproj"), ("ours", "vllm bf16")), kv_tokens=32_768, memory=True,
+    ),  # fmt: skip
     # Issue 51: the Qwen2.5-VL-7B-shaped weights quantized by the tools (benchmarks/quantized_7b.py makes the files):
     # image chat at concurrency 1 and 8, decode (128 tokens a text request) at batch 1 and 16, RSS; ours and vLLM's
     # CPU build on the same AWQ, then W8A8, directory; llama.cpp on the Q4_K_M GGUF of the bf16 weights beside each
@@ -209,7 +217,7 @@ def run_server(spec: peers.ServerSpec, plans: list[Plan], hf_dir: Path, vision: 
             info.update(startup_s=server.startup_s, rss_after_start_bytes=sampler.sample(),
                         pss_after_start_bytes=tree_pss_bytes(server.proc.pid),
                         startup_hwm_bytes=sum(sampler.hwm_bytes.values()), weight_bytes=peers.weight_bytes(spec),
-                        command=" ".join(spec.command(server.port)))  # fmt: skip
+                        command=" ".join([*(f"{k}={v}" for k, v in spec.env), *spec.command(server.port)]))  # fmt: skip
             print(f"[rep {rep}] {spec.name} on {hf_dir.name}: up in {server.startup_s:.0f} s", flush=True)
             with peers.every(0.2, sampler.sample):
                 for plan in plans:

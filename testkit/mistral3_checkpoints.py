@@ -8,11 +8,16 @@ render as Mistral-Small-3.1's (`[SYSTEM_PROMPT]`, `[INST]`) and as LightOnOCR's 
 do, one [IMG] per image part, and the real `PixtralImageProcessor` with `PixtralProcessor` /
 `LightOnOcrProcessor`.
 
-    cached_mistral3(preset="tiny" | "tiny-lightonocr", seed=0) -> Path
+    cached_mistral3(preset="tiny" | "tiny-lightonocr" | "bench-1b", seed=0) -> Path
 
 "tiny": a 3-layer Mistral decoder (128 wide, 4 heads / 2 KV heads of 32) under a 2-layer Pixtral tower
 (64 wide, 8-px patches, images up to 96 px on their longest edge) and the 2 x 2 patch merger;
 "tiny-lightonocr": the same tower and projector before a 3-layer Qwen3 decoder (q/k norms), tied.
+"bench-1b": LightOnOCR-1B-1025's layer shapes (Pixtral tower 1024 x 24 layers, 14-px patches, images up to
+1540 px; Qwen3-0.6B-sized decoder, 28 layers of 1024, tied), bf16, its image processor (CLIP mean / std), and
+its config.json's form (`released_config`): Mistral3's model type under the release's architecture name, which
+vLLM and llama.cpp's converter key on. The vocabulary is the testkit's small trained one, not the release's
+151,936 rows, so the embedding is 4 MB instead of 311 MB and the token ids are ours.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from testkit.checkpoints import (
     RandomCheckpoint,
     _drop_load_time_kwargs,
     _train_bpe_tokenizer,
-    cached_random_checkpoint,
+    cached_checkpoint,
     write_random_checkpoint,
 )
 
@@ -88,6 +93,26 @@ MISTRAL3_PRESETS: dict[str, Preset] = {
         "text": {**_TEXT, "model_type": "qwen3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
         "vision": _VISION, "longest_edge": 96, "tie_word_embeddings": True, "std": 0.2, "norm_std": 0.1,
         "dtype": "float32",
+    },
+    # LightOnOCR-1B-1025's config.json (tests/released_configs.py LIGHTONOCR_1B; restated: testkit does not import
+    # tests): its layer shapes and its 8,192 positions (LIGHTONOCR_1B keeps Transformers' default, 40,960); our
+    # vocabulary.
+    "bench-1b": {
+        "architecture": "LightOnOcrForConditionalGeneration",
+        "text": {
+            "model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192,
+            "rms_norm_eps": 1e-6, "sliding_window": None,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        },
+        "vision": {
+            "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+            "head_dim": 64, "patch_size": 14, "image_size": 1540, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        },
+        "longest_edge": 1540, "tie_word_embeddings": True, "std": 0.02, "norm_std": 0.02, "dtype": "bfloat16",
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "released_config": "LightOnOCRForConditionalGeneration",
     },
 }  # fmt: skip
 
@@ -168,7 +193,7 @@ def _processor(spec: Preset, tokenizer: Any) -> Any:
     patch = spec["vision"]["patch_size"]
     image_processor = PixtralImageProcessor(
         size={"longest_edge": spec["longest_edge"]}, patch_size={"height": patch, "width": patch},
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        image_mean=spec.get("image_mean", [0.5, 0.5, 0.5]), image_std=spec.get("image_std", [0.5, 0.5, 0.5]),
     )  # fmt: skip
     if _lightonocr(spec):
         tokenizer.chat_template = LIGHTONOCR_CHAT_TEMPLATE
@@ -201,10 +226,30 @@ MISTRAL3 = RandomCheckpoint(
 )  # fmt: skip
 
 
+def released_lightonocr_config(saved: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Transformers' LightOnOcrConfig as saved -> the form of LightOnOCR-1B-1025's config.json: model type
+    `mistral3` (vLLM's LightOnOCR model asks for a Mistral3Config: `image_token_index`, the projector's
+    activation and bias, the feature layer) under the release's architecture name, and the text model's own
+    architecture, from which llama.cpp's converter picks its text side."""
+    return {
+        **saved, "architectures": [architecture], "model_type": "mistral3", "projector_hidden_act": "gelu",
+        "multimodal_projector_bias": False, "vision_feature_layer": -1,
+        "text_config": {**saved["text_config"], "architectures": ["Qwen3ForCausalLM"]},
+    }  # fmt: skip
+
+
 def write_mistral3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """A random-weight Mistral 3 / LightOnOCR checkpoint (HF format) in `path`; same (preset, seed) -> same bytes."""
-    return write_random_checkpoint(MISTRAL3, path, preset, seed)
+    out = write_random_checkpoint(MISTRAL3, path, preset, seed)
+    released = MISTRAL3_PRESETS[preset].get("released_config")
+    if released:
+        config_file = out / "config.json"
+        config = released_lightonocr_config(json.loads(config_file.read_text()), released)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out
 
 
 def cached_mistral3(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    return cached_random_checkpoint(MISTRAL3, preset, seed, cache_root)
+    # The cache name cached_random_checkpoint gives the row's presets, built by write_mistral3.
+    name = f"{MISTRAL3.cache_stem}-{preset}-seed{seed}"
+    return cached_checkpoint(name, lambda tmp: write_mistral3(tmp, preset, seed), cache_root)

@@ -51,6 +51,12 @@ ARCHITECTURES: dict[str, str] = {
     "PlacardForConditionalGeneration": "vlm_engine.models.families.placard",
     "PaddleOCRVLForConditionalGeneration": "vlm_engine.models.families.paddleocr_vl",
 }
+# Architecture names released config.json files spell otherwise than Transformers' class -> the class's name.
+# LightOnOCR-1B-1025's names "LightOnOCRForConditionalGeneration" (as vLLM and llama.cpp's converter do) over a
+# Mistral3Config; Transformers saves its own LightOnOcr class.
+ARCHITECTURE_ALIASES: dict[str, str] = {
+    "LightOnOCRForConditionalGeneration": "LightOnOcrForConditionalGeneration",
+}
 
 # Models whose weights ship inside registry packages, so the engine has real weights offline:
 # name -> (package, file in it, the architecture it is served as when the file does not say).
@@ -173,8 +179,9 @@ def family_of_architecture(architecture: str) -> ModelFamily:
 
 
 def served_architecture(config: Any) -> str:
-    """The first of the config's architectures that a family serves."""
+    """The first of the config's architectures that a family serves (an alias as the name it stands for)."""
     for arch in getattr(config, "architectures", None) or []:
+        arch = ARCHITECTURE_ALIASES.get(arch, arch)
         if arch in ARCHITECTURES:
             return arch
     raise ValueError(
