@@ -292,3 +292,34 @@ def test_the_benchmark_tokenizer_is_one_llama_cpp_converts(tmp_path: Any) -> Non
     assert len(tokenizer) == SPM_VOCAB_SIZE
     assert all(tokenizer.convert_tokens_to_ids(t) == i for i, t in enumerate(GEMMA4_VLM_TOKENS))
     assert len(list(gguf.LlamaHfVocab(tmp_path).all_tokens())) == SPM_VOCAB_SIZE
+
+
+def test_the_bf16_tower_runs_our_attention_kernel_within_bf16_noise_of_sdpa() -> None:
+    """The served VLM's tower (Transformers' module) in bf16 takes its attention from our flash kernel through
+    Transformers' attention interface: on the processor's padded patches of two odd images its features stay
+    within bf16 noise of the same tower on SDPA."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    from vlm_engine.models.vision_blocks import TRANSFORMERS_TOWER_ATTENTION, tower_flash_attention
+
+    if tower_flash_attention(torch.zeros(1, dtype=torch.bfloat16)) is None:
+        pytest.skip("no flash extension")
+    path = cached_gemma4_vlm("tiny")
+    tower = Engine(str(path), dtype="bfloat16", kv_cache_tokens=2048).runner.model.vision_tower
+    assert tower.config._attn_implementation == TRANSFORMERS_TOWER_ATTENTION
+    rng = torch.Generator().manual_seed(0)
+    images = [
+        Image.fromarray((torch.rand(h, w, 3, generator=rng) * 255).byte().numpy()) for h, w in ((61, 97), (130, 45))
+    ]
+    batch = AutoProcessor.from_pretrained(path).image_processor(images, return_tensors="pt")
+    pixels, positions = batch["pixel_values"].to(torch.bfloat16), batch["image_position_ids"]
+    assert bool((positions == -1).any())  # the padded patches the key mask hides
+    with torch.inference_mode():
+        ours = tower(pixel_values=pixels, pixel_position_ids=positions).last_hidden_state
+        tower.config._attn_implementation = "sdpa"
+        sdpa = tower(pixel_values=pixels, pixel_position_ids=positions).last_hidden_state
+        tower.config._attn_implementation = TRANSFORMERS_TOWER_ATTENTION
+    error = (ours.float() - sdpa.float()).norm() / sdpa.float().norm()  # the pooled real patches of both images
+    print(f"tiny Gemma 4 tower, bf16: ours vs SDPA relative L2 {error:.2e}")
+    assert not torch.equal(ours, sdpa) and error < 2e-2

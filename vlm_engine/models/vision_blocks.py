@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlm_engine.attention.flash import load_flash_attention
+from vlm_engine.attention.flash import cu_seqlens, load_flash_attention
 
 
 @dataclass(frozen=True)
@@ -261,3 +261,70 @@ def rotary_segment_attention(
     else:
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
     return segment_attention(q, k, v, groups, indexes, scale)
+
+
+# The name under which `register_transformers_tower_attention` puts `transformers_tower_attention` in Transformers'
+# attention (and mask) interfaces, for a tower module of theirs that a family reuses.
+TRANSFORMERS_TOWER_ATTENTION = "vlm_engine_tower"  # no "flash" in it: Transformers takes such a name for a hub kernel
+
+
+def transformers_tower_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Transformers' attention-interface signature ([B, H, L, D] in, [B, L, H, D] out) over our flash kernel for a
+    bidirectional tower whose images are padded at their ends (Gemma 4's: each image's patches, then padding
+    the key mask hides). One kernel call for the batch: each image's queries, all L of them as SDPA computes
+    them, see its unpadded keys. fp32, off the CPU, without the extension, for a causal module or with any
+    other mask it is Transformers' SDPA function itself (exact numerics stay bit for bit)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bidirectional = getattr(module, "is_causal", True) is False  # as SDPA's function reads it
+    flash = tower_flash_attention(query) if bidirectional and not dropout else None
+    lengths = None if flash is None else _unpadded_key_lengths(attention_mask, key.shape[0], key.shape[2])
+    if flash is None or lengths is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    batch, heads, length, dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * length, heads, dim)  # a view: Transformers transposed [B, L, H, D]
+    kv_index = torch.cat([torch.arange(n) + b * length for b, n in enumerate(lengths)])
+    k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim).index_select(0, kv_index)
+    v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim).index_select(0, kv_index)
+    scale = scaling if scaling is not None else dim**-0.5
+    out = flash.flash_attention(q, k, v, cu_seqlens([length] * batch), cu_seqlens(lengths), scale)
+    return out.view(batch, length, heads, dim), None
+
+
+def _unpadded_key_lengths(mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+    """Per image the number of keys the mask lets every query see, where it is a prefix (padding at the end)
+    and the same for every query; None for any other mask."""
+    if mask is None:
+        return [length] * batch
+    if mask.dim() != 4 or mask.shape[-1] != length:
+        return None
+    visible = mask if mask.dtype == torch.bool else mask == 0
+    rows = visible.expand(batch, 1, visible.shape[2], length)[:, 0]
+    first = rows[:, 0, :]
+    counts = first.sum(dim=-1)
+    prefix = torch.arange(length) < counts[:, None]
+    if not bool((first == prefix).all()) or not bool((rows == first[:, None, :]).all()) or bool((counts == 0).any()):
+        return None
+    return [int(c) for c in counts]
+
+
+def register_transformers_tower_attention() -> str:
+    """`transformers_tower_attention` in Transformers' interfaces (its mask built as for SDPA); returns the name
+    to set as a tower config's `_attn_implementation`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(TRANSFORMERS_TOWER_ATTENTION, transformers_tower_attention)
+    AttentionMaskInterface.register(TRANSFORMERS_TOWER_ATTENTION, sdpa_mask)
+    return TRANSFORMERS_TOWER_ATTENTION

@@ -33,6 +33,7 @@ from vlm_engine.cache.page_hash import MediaSpan
 from vlm_engine.inputs import MediaInput
 from vlm_engine.models.families.gemma4.model import Gemma4ForCausalLM
 from vlm_engine.models.hf_prompts import Expansion, ProcessorPrompts, TokenizerPrompts, item_hash
+from vlm_engine.models.vision_blocks import register_transformers_tower_attention
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,9 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             self.checkpoint_skipped = AUDIO_CHECKPOINT_PREFIXES
             logger.info("Gemma 4 audio tower not built: %s", AUDIO_NOT_SERVED)
         self.vision_tower = Gemma4VisionModel(vision)
+        # Its attention on our flash kernel in bf16 on the CPU (torch's bf16 SDPA took half the tower's time); SDPA
+        # itself otherwise, so fp32 stays Transformers' bit for bit.
+        self.vision_tower.config._attn_implementation = register_transformers_tower_attention()
         _stored_buffers_as_parameters(self.vision_tower)
         with torch.device("cpu"):  # its rotary table is computed, not loaded: real even when built on meta
             self.vision_tower.encoder.rotary_emb = Gemma4VisionRotaryEmbedding(vision)
