@@ -66,3 +66,16 @@ def test_anything_else_is_sdpa_bit_for_bit(dtype: torch.dtype, mask: torch.Tenso
 def test_a_causal_module_without_a_mask_is_sdpa_bit_for_bit() -> None:
     ours, sdpa = _both(torch.bfloat16, None, torch.nn.Module())  # no is_causal attribute: SDPA's default, causal
     assert torch.equal(ours, sdpa)
+
+
+@pytest.mark.skipif(tower_flash_attention(torch.zeros(1, dtype=torch.bfloat16)) is None, reason="no flash extension")
+def test_the_mask_scan_is_remembered_for_that_mask_only() -> None:
+    """A tower forward passes one mask to every layer, scanned once; another mask, even one of the same shape
+    right after, is scanned for itself (here it is no key padding, so SDPA's result bit for bit)."""
+    padded = _key_padding_mask(VALID)
+    first, _ = _both(torch.bfloat16, padded)
+    again, _ = _both(torch.bfloat16, padded)
+    assert torch.equal(first, again)
+    other = padded.transpose(-1, -2).contiguous()
+    ours, sdpa = _both(torch.bfloat16, other)
+    assert torch.equal(ours, sdpa)

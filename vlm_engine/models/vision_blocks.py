@@ -7,6 +7,8 @@ on the CPU."""
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -287,16 +289,18 @@ def transformers_tower_attention(
 
     bidirectional = getattr(module, "is_causal", True) is False  # as SDPA's function reads it
     flash = tower_flash_attention(query) if bidirectional and not dropout else None
-    lengths = None if flash is None else _unpadded_key_lengths(attention_mask, key.shape[0], key.shape[2])
+    lengths = None if flash is None else _KEY_LENGTHS.of(attention_mask, key.shape[0], key.shape[2])
     if flash is None or lengths is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     batch, heads, length, dim = query.shape
     q = query.transpose(1, 2).reshape(batch * length, heads, dim)  # a view: Transformers transposed [B, L, H, D]
-    kv_index = torch.cat([torch.arange(n) + b * length for b, n in enumerate(lengths)])
-    k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim).index_select(0, kv_index)
-    v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim).index_select(0, kv_index)
+    k = key.transpose(1, 2).reshape(batch * length, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(batch * length, value.shape[1], dim)
+    if any(n != length for n in lengths):  # padded images: their keys gathered back to back
+        kv_index = torch.cat([torch.arange(n) + b * length for b, n in enumerate(lengths)])
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     scale = scaling if scaling is not None else dim**-0.5
     out = flash.flash_attention(q, k, v, cu_seqlens([length] * batch), cu_seqlens(lengths), scale)
     return out.view(batch, length, heads, dim), None
@@ -317,6 +321,31 @@ def _unpadded_key_lengths(mask: torch.Tensor | None, batch: int, length: int) ->
     if not bool((first == prefix).all()) or not bool((rows == first[:, None, :]).all()) or bool((counts == 0).any()):
         return None
     return [int(c) for c in counts]
+
+
+class _KeyLengthsMemo:
+    """`_unpadded_key_lengths` of the mask last seen: every layer of a tower forward passes the same mask tensor,
+    and scanning a [B, 1, L, L] mask costs tens of milliseconds at L in the thousands, once is enough. Keyed by a
+    weak reference, so a new mask at the same address is never mistaken for the old one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[weakref.ref[torch.Tensor], int, int, list[int] | None] | None = None
+
+    def of(self, mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+        if mask is None:
+            return [length] * batch
+        with self._lock:
+            last = self._last
+            if last is not None and last[0]() is mask and last[1:3] == (batch, length):
+                return last[3]
+        lengths = _unpadded_key_lengths(mask, batch, length)
+        with self._lock:
+            self._last = (weakref.ref(mask), batch, length, lengths)
+        return lengths
+
+
+_KEY_LENGTHS = _KeyLengthsMemo()
 
 
 def register_transformers_tower_attention() -> str:
