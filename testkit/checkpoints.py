@@ -576,11 +576,16 @@ def write_random_checkpoint(row: RandomCheckpoint, path: str | Path, preset: str
     return out
 
 
+def random_checkpoint_name(row: RandomCheckpoint, preset: str, seed: int = 0) -> str:
+    """The cache name of a row's (preset, seed): also for a family whose writer adds to write_random_checkpoint."""
+    return f"{row.cache_stem}-{preset}-seed{seed}"
+
+
 def cached_random_checkpoint(
     row: RandomCheckpoint, preset: str, seed: int = 0, cache_root: Path | None = None
 ) -> Path:
     return cached_checkpoint(
-        f"{row.cache_stem}-{preset}-seed{seed}", lambda tmp: write_random_checkpoint(row, tmp, preset, seed), cache_root
+        random_checkpoint_name(row, preset, seed), lambda tmp: write_random_checkpoint(row, tmp, preset, seed), cache_root
     )
 
 

@@ -31,6 +31,7 @@ from testkit.checkpoints import (
     _drop_load_time_kwargs,
     _train_bpe_tokenizer,
     cached_checkpoint,
+    random_checkpoint_name,
     write_random_checkpoint,
 )
 
@@ -95,8 +96,7 @@ MISTRAL3_PRESETS: dict[str, Preset] = {
         "dtype": "float32",
     },
     # LightOnOCR-1B-1025's config.json (tests/released_configs.py LIGHTONOCR_1B; restated: testkit does not import
-    # tests): its layer shapes and its 8,192 positions (LIGHTONOCR_1B keeps Transformers' default, 40,960); our
-    # vocabulary.
+    # tests): its layer shapes and its 8,192 positions; our vocabulary.
     "bench-1b": {
         "architecture": "LightOnOcrForConditionalGeneration",
         "text": {
@@ -250,6 +250,5 @@ def write_mistral3(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
 
 
 def cached_mistral3(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    # The cache name cached_random_checkpoint gives the row's presets, built by write_mistral3.
-    name = f"{MISTRAL3.cache_stem}-{preset}-seed{seed}"
+    name = random_checkpoint_name(MISTRAL3, preset, seed)
     return cached_checkpoint(name, lambda tmp: write_mistral3(tmp, preset, seed), cache_root)

@@ -31,6 +31,7 @@ from testkit.checkpoints import (
     cached_checkpoint,
     cached_random_checkpoint,
     checkpoint_dir,
+    random_checkpoint_name,
     start_checkpoint,
     write_random_checkpoint,
 )
@@ -324,13 +325,13 @@ def write_qwen3_vl(path: str | Path, preset: str = "tiny", seed: int = 0) -> Pat
 
 
 def cached_qwen2_5_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
-    name = f"{QWEN2_5_VL.cache_stem}-{preset}-seed{seed}"  # cached_random_checkpoint's name
+    name = random_checkpoint_name(QWEN2_5_VL, preset, seed)
     return cached_checkpoint(name, lambda tmp: write_qwen2_5_vl(tmp, preset, seed), cache_root)
 
 
 def qwen2_5_vl_dir(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:
     """Where `cached_qwen2_5_vl(preset, seed)` is, built or not: the files made from a 7B's 15 GB name it alone."""
-    return checkpoint_dir(f"{QWEN2_5_VL.cache_stem}-{preset}-seed{seed}", cache_root)
+    return checkpoint_dir(random_checkpoint_name(QWEN2_5_VL, preset, seed), cache_root)
 
 
 def cached_qwen3_vl(preset: str = "tiny", seed: int = 0, cache_root: Path | None = None) -> Path:

@@ -363,9 +363,10 @@ MISTRAL3_RENAMES = (
     ("model.vision_tower.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
-# LightOnOCR-1B-1025: Transformers' LightOnOcrConfig defaults, which its docstring names as this checkpoint's
-# (Pixtral as in Mistral Small 3.1; a Qwen3-0.6B-sized text model, tied; image token 151655). Its config.json
-# itself was not found to confirm them; the names are Transformers 5's (no conversion mapping for lighton_ocr).
+# LightOnOCR-1B-1025: its config.json's values (a copy of the release's files in a public repository: Pixtral as in
+# Mistral Small 3.1; a Qwen3-0.6B-sized text model, tied, 8,192 positions; image token 151655), in Transformers 5's
+# LightOnOcr form: the file itself says mistral3 / "LightOnOCRForConditionalGeneration" (testkit's bench-1b writes
+# that form); the tensor names are Transformers 5's (no conversion mapping for lighton_ocr).
 LIGHTONOCR_1B = {
     "vision_config": {
         "model_type": "pixtral", "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024, "image_size": 1540,
@@ -374,7 +375,7 @@ LIGHTONOCR_1B = {
     },
     "text_config": {
         "model_type": "qwen3", "head_dim": 128, "hidden_size": 1024, "intermediate_size": 3072,
-        "max_position_embeddings": 40960, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "max_position_embeddings": 8192, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
         "rms_norm_eps": 1e-6, "rope_theta": 1000000, "sliding_window": None, "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
