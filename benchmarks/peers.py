@@ -20,9 +20,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Self
 
 import httpx
+
+if TYPE_CHECKING:
+    from models import Model
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -443,7 +446,7 @@ def shipped_q4_1() -> Path:
     return path
 
 
-def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int | None,
+def side_spec(name: str, model: Model, hf_dir: Path, *, slots: int, kv_tokens: int | None,
               llama: LlamaCpp | None = None) -> ServerSpec:  # fmt: skip
     """`name` is "<peer> [variant][ + [T] mmproj]": ours [int4|int8|<dtype>|no-prepack|two-layouts], llama.cpp <GGUF
     type>, transformers [<dtype>], vllm [<dtype>]. `model` is a models.Model row. A given `kv_tokens` sizes every
@@ -462,7 +465,7 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             raise FileNotFoundError("llama-server not found: pass --llama-server PATH, set $LLAMA_SERVER, or --build")
         kind = variant.upper()
         # A quantized checkpoint's row names the unquantized weights it was made from: llama.cpp converts those.
-        source = model.gguf_source() if getattr(model, "gguf_source", None) else hf_dir
+        source = model.gguf_source() if model.gguf_source else hf_dir
         if kind == "Q4_1" and model.shipped_q4_1:
             gguf = shipped_q4_1()
         elif kind in LLAMA_TYPES:
@@ -471,12 +474,12 @@ def side_spec(name: str, model: Any, hf_dir: Path, *, slots: int, kv_tokens: int
             gguf = llama.quantized(source, kind, model.quantize_from, model.convert_args)
         mmproj_type = extra.removesuffix("mmproj").strip().lower() or model.mmproj_type
         args = ("--mmproj", str(llama.convert(source, mmproj_type, mmproj=True))) if model.vision else ()
-        args += getattr(model, "llama_args", ())
+        args += model.llama_args
         ctx = kv_tokens or (model.llama_ctx(hf_dir, slots) if model.llama_ctx else 65_536)
         return ServerSpec("llamacpp", str(gguf), label=name, kv_tokens=ctx, executable=str(llama.server), slots=slots,
                           extra_args=args)  # fmt: skip
     if peer in ("transformers", "vllm"):
-        extra = getattr(model, "vllm_args", ()) if peer == "vllm" else ()
+        extra = model.vllm_args if peer == "vllm" else ()
         return ServerSpec(peer, str(hf_dir), dtypes.get(variant, variant or "auto"), extra, label=name,
                           kv_tokens=kv_tokens)  # fmt: skip
     raise ValueError(f"unknown side {name!r}: the peers are ours, llama.cpp, {', '.join(list(ADAPTERS)[2:])}")
