@@ -7,7 +7,6 @@ on the CPU."""
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -306,11 +305,9 @@ def transformers_tower_attention(
     return out.view(batch, length, heads, dim), None
 
 
-def _unpadded_key_lengths(mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+def _unpadded_key_lengths(mask: torch.Tensor, batch: int, length: int) -> list[int] | None:
     """Per image the number of keys the mask lets every query see, where it is a prefix (padding at the end)
     and the same for every query; None for any other mask."""
-    if mask is None:
-        return [length] * batch
     if mask.dim() != 4 or mask.shape[-1] != length:
         return None
     visible = mask if mask.dtype == torch.bool else mask == 0
@@ -326,22 +323,20 @@ def _unpadded_key_lengths(mask: torch.Tensor | None, batch: int, length: int) ->
 class _KeyLengthsMemo:
     """`_unpadded_key_lengths` of the mask last seen: every layer of a tower forward passes the same mask tensor,
     and scanning a [B, 1, L, L] mask costs tens of milliseconds at L in the thousands, once is enough. Keyed by a
-    weak reference, so a new mask at the same address is never mistaken for the old one."""
+    weak reference, so a new mask at the same address is never mistaken for the old one. One tuple, read and
+    replaced whole (each an atomic step), so concurrent towers at worst scan a mask twice."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._last: tuple[weakref.ref[torch.Tensor], int, int, list[int] | None] | None = None
 
     def of(self, mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
         if mask is None:
             return [length] * batch
-        with self._lock:
-            last = self._last
-            if last is not None and last[0]() is mask and last[1:3] == (batch, length):
-                return last[3]
+        last = self._last
+        if last is not None and last[0]() is mask and last[1:3] == (batch, length):
+            return last[3]
         lengths = _unpadded_key_lengths(mask, batch, length)
-        with self._lock:
-            self._last = (weakref.ref(mask), batch, length, lengths)
+        self._last = (weakref.ref(mask), batch, length, lengths)
         return lengths
 
 
