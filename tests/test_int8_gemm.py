@@ -15,15 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from vlm_engine.models.quantized import GEMM_MIN_ROWS, WO_MIN_ROWS, QuantizedLinear
+from vlm_engine.models.quantized import GEMM_MIN_ROWS, WO_MAX_WEIGHTS, WO_MIN_ROWS, QuantizedLinear
 
 REPO = Path(__file__).resolve().parents[1]
 IMPLS = {1: "avx512-vnni", 2: "avx-vnni-256", 3: "avx2-maddubs"}
 # [m, n, k]: odd row and column counts (partial tiles, a partial last panel, half-panel vectors),
-# k from one group up; a thread takes x in chunks of up to 128 rows and 384 KiB, and the inputs in
-# blocks of 16 KiB of a strip's codes (partial sums kept in y between them): 101 x 4096 spans two
-# chunks of rows and 8 (int8) or 4 (int4) blocks of inputs, 133 x 96 two chunks of rows.
-SHAPES = [(1, 37, 64), (5, 16, 32), (17, 100, 96), (33, 130, 576), (70, 53, 160), (101, 40, 4096), (133, 24, 96)]
+# k from one group up; a thread takes x in chunks of up to 128 rows and 2.5 MiB, and the inputs in
+# blocks of 16 KiB of a strip's codes (partial sums kept in y between them): 130 x 24576 spans two
+# chunks of rows (of ~100, by bytes) and many blocks of inputs, 133 x 96 two chunks of rows (of 128).
+SHAPES = [(1, 37, 64), (5, 16, 32), (17, 100, 96), (33, 130, 576), (70, 53, 160), (130, 40, 24576), (133, 24, 96)]
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +252,14 @@ def test_quantized_linear_computes_int8_in_bf16_from_wo_min_rows(ops: Any, wo: A
         else:
             want = ops.quant_panel_linear(half.float(), layer.codes, layer.scales, 70, bits, layer.bias).bfloat16()
         assert torch.equal(rows(half), want) and torch.equal(layer(half.view(1, m, 96)), want.view(1, m, 70))
+
+
+def test_quantized_linear_keeps_the_integer_gemm_above_wo_max_weights(ops: Any, wo: Any) -> None:
+    """An int8 layer of more than WO_MAX_WEIGHTS weights keeps the integer GEMM for bf16 rows at every row
+    count (the faster one there with both threads)."""
+    inputs, out = 2048, WO_MAX_WEIGHTS // 2048 + 16
+    layer = QuantizedLinear(nn.Linear(inputs, out).requires_grad_(False), 8, ops)
+    x = torch.randn(WO_MIN_ROWS + 5, inputs, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = ops.quant_panel_linear(x.float(), layer.codes, layer.scales, out, 8, layer.bias).bfloat16()
+    assert torch.equal(layer.rows_fn()(x), want)
+    assert not torch.equal(want, wo.wo_gemm(x, layer.codes, layer.scales, out, layer.bias))

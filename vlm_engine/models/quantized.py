@@ -23,7 +23,8 @@ at batch 8: int8 3.16, bf16 2.92, int8 with the tower quantized too 3.15 (docs/A
 "Weight-only quantization"). A SmolLM2 decode step at batch 16 (1 thread, CPU ms): int8 17.2, int4
 16.3, bf16 16.7: at 16 rows the int8 products compute no faster than bf16's here. From `WO_MIN_ROWS`
 bf16 rows an int8 layer computes in bf16 (int8_gemm's `wo_gemm`: prefill-sized products at the bf16
-dot kernel's speed, where the integer GEMM ran at ~0.75x it).
+dot kernel's speed, where the integer GEMM ran at ~0.75x it), on layers of up to `WO_MAX_WEIGHTS` weights:
+with both threads and 7B-sized layers the integer GEMM is the faster one.
 
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
 as llama.cpp's Q4 files keep the output projection in Q8_0). The vision encoders stay in the
@@ -64,6 +65,12 @@ GEMM_MIN_ROWS = 2
 # 64 rows 1.38 / 1.19 / 1.08, 256 rows 5.77 / 4.29 / 4.31 (its dequantization, ~20 instructions per
 # 64 codes, is shared by a chunk's rows: below ~32 it costs more than vpdpbusd's lower rate).
 WO_MIN_ROWS = 48
+# ... and only on weights of up to this many (out x in): with the served 2 threads (2-core Zen 5, 430 bf16
+# rows, best of 7, ms, integer GEMM / wo_gemm) wo_gemm led on small layers (SmolLM2's 576x960 0.34 / 0.32,
+# Qwen2-VL-2B's 1536x2048 4.2 / 3.0) and trailed on large ones (its 1536x17920 25.3 / 26.4, 8960x1536 12.3 /
+# 15.0; Qwen2.5-VL-7B's 3584x3584 10.4 / 12.1, 3584x37888 116 / 136, 18944x3584 53 / 78: 28 layers of
+# those took 5.4 s a 430-token prompt against 6.7 s).
+WO_MAX_WEIGHTS = 4 << 20
 
 
 class QuantizedLinear(nn.Module):
@@ -106,7 +113,7 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         self.in_features, self.out_features, self.bits, self._ops = in_features, out_features, bits, ops
         self.codes, self.scales, self.bias, self.input_order = codes, scales, bias, input_order
-        rows = _bind_rows(ops.quant_panel_linear, load_int8_gemm(), codes, scales, out_features, bits, bias)
+        rows = _bind_rows(ops.quant_panel_linear, load_int8_gemm(), codes, scales, in_features, out_features, bits, bias)
         self._rows = rows if input_order is None else _columns_in_order(rows, input_order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +151,7 @@ def _bind_rows(
     gemm: ModuleType | None,
     codes: torch.Tensor,
     scales: torch.Tensor,
+    k: int,
     n: int,
     bits: int,
     bias: torch.Tensor | None,
@@ -152,10 +160,11 @@ def _bind_rows(
     linear. From `GEMM_MIN_ROWS` rows the int8 GEMM (the same numbers bit for bit), which takes bf16
     rows and rounds its fp32 sums (bias added) to bf16 once; below, the decode kernel (fp32 only)
     on the rows widened to fp32, its output rounded the same way. int8 weights and bf16 rows from
-    `WO_MIN_ROWS` rows: the GEMM's bf16-compute path where the build has it (x not rounded to int8:
-    other numbers, closer to the exact product)."""
+    `WO_MIN_ROWS` rows, up to `WO_MAX_WEIGHTS` weights: the GEMM's bf16-compute path where the build has it
+    (x not rounded to int8: other numbers, closer to the exact product)."""
     big = None if gemm is None else gemm.quant_gemm
-    wide = gemm.wo_gemm if gemm is not None and bits == 8 and gemm.wo_available() else None
+    small = bits == 8 and k * n <= WO_MAX_WEIGHTS
+    wide = gemm.wo_gemm if gemm is not None and small and gemm.wo_available() else None
 
     def rows(x: torch.Tensor) -> torch.Tensor:
         if wide is not None and x.shape[0] >= WO_MIN_ROWS and x.dtype == torch.bfloat16:
