@@ -113,7 +113,9 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         self.in_features, self.out_features, self.bits, self._ops = in_features, out_features, bits, ops
         self.codes, self.scales, self.bias, self.input_order = codes, scales, bias, input_order
-        rows = _bind_rows(ops.quant_panel_linear, load_int8_gemm(), codes, scales, in_features, out_features, bits, bias)
+        rows = _bind_rows(
+            ops.quant_panel_linear, load_int8_gemm(), codes, scales, in_features, out_features, bits, bias
+        )
         self._rows = rows if input_order is None else _columns_in_order(rows, input_order)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
