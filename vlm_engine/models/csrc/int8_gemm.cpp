@@ -260,8 +260,16 @@ struct Problem {
   const uint8_t* codes;
   const uint16_t* scales;
   const float* bias;
-  float* y;              // the fp32 sums (the partial ones between blocks of inputs)
-  at::BFloat16* y16;     // bf16 rows: the last block writes its sums here, rounded, instead of to y
+  float* y;              // fp32 rows: the sums (the partial ones between blocks of inputs); null for bf16 rows
+  at::BFloat16* y16;     // bf16 rows: the last block writes its sums here, rounded (partial ones: `Sums`)
+};
+
+// Where a tile keeps its partial sums between blocks of inputs: y itself for fp32 rows; for bf16 rows a
+// thread's scratch of one chunk x strip (rows x strip columns), so that no fp32 [M, N] is ever allocated
+// (at a 2048-token prefill, Qwen2.5-VL-7B's gate/up projection's would be 310 MB on top of its 155 MB output).
+struct Sums {
+  float* at;       // row `row0`, column `col0` of the tile asking
+  int64_t stride;  // floats from one row to the next
 };
 
 // MR rows from row0 x NV vectors from column col0 (a vector never crosses a panel), groups g0..g1-1.
@@ -269,7 +277,8 @@ struct Problem {
 // `ahead`: the bytes from this block's codes to those the next block reads, which the tile prefetches
 // (the first row tile of a block does, spread over its groups, so that they come in while it computes).
 template <class V, int Bits, int MR, int NV>
-void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead, NextStrip& next) {
+void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead, NextStrip& next,
+          Sums sums) {
   using I = typename V::I;
   using F = typename V::F;
   const int64_t k = p.k, groups = p.groups;
@@ -290,7 +299,7 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
   for (int v = 0; v < NV; ++v) {
     cols[v] = std::clamp<int64_t>(p.n - col0 - v * V::kCols, 0, V::kCols);
     for (int r = 0; r < MR; ++r) {
-      const float* at = p.y + (row0 + r) * p.n + col0 + v * V::kCols;
+      const float* at = sums.at + r * sums.stride + v * V::kCols;
       if (first || cols[v] == 0) {
         acc[r][v] = V::zerof();
       } else if (cols[v] == V::kCols) {
@@ -377,7 +386,7 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
         for (int64_t j = 0; j < cols[v]; ++j) out[j] = at::BFloat16(cols[v] == V::kCols || !bias ? t[j] : t[j] + bias[j]);
         continue;
       }
-      float* out = p.y + (row0 + r) * p.n + c;
+      float* out = sums.at + r * sums.stride + v * V::kCols;
       if (cols[v] == V::kCols) {
         V::storef(out, last ? V::add(acc[r][v], bias ? V::loadf(bias) : V::zerof()) : acc[r][v]);
       } else {
@@ -392,14 +401,14 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
 // tile<V, Bits, mr, nv> for 1 <= mr <= MR, 1 <= nv <= NV.
 template <class V, int Bits, int MR, int NV>
 void tile_of(int mr, int nv, const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, int64_t ahead,
-             NextStrip& next) {
+             NextStrip& next, Sums sums) {
   if constexpr (MR > 1) {
-    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1, ahead, next);
+    if (mr < MR) return tile_of<V, Bits, MR - 1, NV>(mr, nv, p, row0, col0, g0, g1, ahead, next, sums);
   }
   if constexpr (NV > 1) {
-    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1, ahead, next);
+    if (nv < NV) return tile_of<V, Bits, MR, NV - 1>(mr, nv, p, row0, col0, g0, g1, ahead, next, sums);
   }
-  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead, next);
+  tile<V, Bits, MR, NV>(p, row0, col0, g0, g1, ahead, next, sums);
 }
 
 // Threads take strips of NV vectors of columns from a shared counter, for each chunk of x's rows
@@ -423,6 +432,7 @@ void run(const Problem& p, int64_t m) {
     const int64_t r1 = std::min(m, r0 + rows);
     std::atomic<int64_t> counter{0};
     auto work = [&](int64_t, int64_t) {
+      std::vector<float> scratch(p.y ? 0 : (r1 - r0) * strip_cols);
       int64_t s = counter.fetch_add(1);
       while (s < strips) {
         const int64_t after = counter.fetch_add(1);  // taken now, so that its codes can come in meanwhile
@@ -445,7 +455,8 @@ void run(const Problem& p, int64_t m) {
               g1 < p.groups ? (g1 - g0) * group_bytes : (after < strips ? (after - s) * strip_bytes - g0 * group_bytes : 0);
           for (int64_t r = r0; r < r1; r += MR) {
             const int mr = static_cast<int>(std::min<int64_t>(MR, r1 - r));
-            tile_of<V, Bits, MR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next);
+            const Sums sums = p.y ? Sums{p.y + r * p.n + col0, p.n} : Sums{scratch.data() + (r - r0) * strip_cols, strip_cols};
+            tile_of<V, Bits, MR, V::kNV>(mr, nv, p, r, col0, g0, g1, r == r0 ? ahead : 0, next, sums);
           }
         }
         s = after;
@@ -657,7 +668,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(path > 0, "this build of the int8 GEMM has no AVX2 + FMA + F16C path");
   // The sums in fp32; bf16 rows get them rounded to bf16 once at the end (nearest even, as torch's
   // .to(bfloat16) of the decode kernel's fp32 output: the two stay equal bit for bit).
-  at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+  at::Tensor y = bf16 ? at::Tensor() : at::empty({m, n}, x.options().dtype(at::kFloat));
   at::Tensor y16 = bf16 ? at::empty({m, n}, x.options()) : at::Tensor();
   if (m == 0) return bf16 ? y16 : y;
 #if VLM_INT8_AVX2
@@ -665,7 +676,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
                          : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
   const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, groups * 2 * kPanel,
                   static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
-                  bp, y.data_ptr<float>(), bf16 ? y16.data_ptr<at::BFloat16>() : nullptr};
+                  bp, bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y16.data_ptr<at::BFloat16>() : nullptr};
   switch (path) {
 #if VLM_INT8_ZMM
     case kZmmVnni:
