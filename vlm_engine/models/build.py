@@ -16,6 +16,7 @@ from vlm_engine.models import gguf_vlm, loader
 from vlm_engine.models.bf16_dot_gemm import load_bf16_dot_gemm
 from vlm_engine.models.family import VLModel
 from vlm_engine.models.layers import MergedLinear, RotaryEmbedding
+from vlm_engine.models.mapped_embedding import plan_mapped_embeddings
 from vlm_engine.models.prepack import LoadTimePacker, prepack_linears, prepack_supported, release_freed_memory
 from vlm_engine.models.quant_formats.base import CheckpointFormat, GroupedWeights
 from vlm_engine.models.quant_formats.gguf_blocks import round_to_q8_0
@@ -58,12 +59,16 @@ def build_model(
     names = loader.safetensors_names(source.directory) if source.gguf_path is None else None
     if names is not None:  # a GGUF's config is tied exactly where the file stores no head of its own
         loader.untie_stored(model, names)
+    # Large untied embedding tables are looked up through a mapping of the file, not copied in (mapped_embedding).
+    mapped = plan_mapped_embeddings(model, dtype, names) if names is not None and device.type == "cpu" else None
     quantizing = bool(quantization) and device.type == "cpu" and dtype in QUANTIZED_DTYPES and quant_ops is not None
     # The linears to be quantized are filled in fp32: their codes come from the checkpoint's values
     # (a Q4_1 GGUF's own), not from those rounded to a bf16 model's dtype.
     plan = Quantization.of(model, quantization, quantize_vision) if quantizing and quantization else None
     _materialize(model, dtype, plan.weights(model) if plan is not None else frozenset())
     weights: Any = source.weights(config)
+    if mapped is not None:
+        weights = mapped.intercept(weights)
     placer = None
     if prequantized is not None:
         kernels = quant_ops if device.type == "cpu" and dtype in QUANTIZED_DTYPES else None
@@ -83,6 +88,8 @@ def build_model(
         placer.then = on_filled
         on_filled = placer.filled if placer.kernels is not None else on_filled
     loader.load_weights(model, weights, on_filled, placer.take if placer is not None else None)
+    if mapped is not None:
+        mapped.check_loaded()
     if placer is not None:
         placer.finish()
     if quantization:
