@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 IMPLS = {1: "avx512-vnni", 2: "avx-vnni-256", 3: "avx2-maddubs"}
 # [m, n, k]: odd row and column counts (partial tiles, a partial last panel, half-panel vectors),
 # k from one group up; a thread takes x in chunks of up to 128 rows and 2.5 MiB, and the inputs in
-# blocks of 16 KiB of a strip's codes (partial sums kept in y between them): 130 x 24576 spans two
+# blocks of 16 KiB of a strip's codes (partial sums kept between them): 130 x 24576 spans two
 # chunks of rows (of ~100, by bytes) and many blocks of inputs, 133 x 96 two chunks of rows (of 128).
 SHAPES = [(1, 37, 64), (5, 16, 32), (17, 100, 96), (33, 130, 576), (70, 53, 160), (130, 40, 24576), (133, 24, 96)]
 

@@ -66,7 +66,7 @@ GEMM_MIN_ROWS = 2
 # 64 codes, is shared by a chunk's rows: below ~32 it costs more than vpdpbusd's lower rate).
 WO_MIN_ROWS = 48
 # ... and only on weights of up to this many (out x in): with the served 2 threads (2-core Zen 5, 430 bf16
-# rows, best of 7, ms, integer GEMM / wo_gemm) wo_gemm led on small layers (SmolLM2's 576x960 0.34 / 0.32,
+# rows, best of 7, ms, integer GEMM / wo_gemm) wo_gemm led on small layers (SmolLM2's 576x960 at 256 rows 0.34 / 0.32,
 # Qwen2-VL-2B's 1536x2048 4.2 / 3.0) and trailed on large ones (its 1536x17920 25.3 / 26.4, 8960x1536 12.3 /
 # 15.0; Qwen2.5-VL-7B's 3584x3584 10.4 / 12.1, 3584x37888 116 / 136, 18944x3584 53 / 78: 28 layers of
 # those took 5.4 s a 430-token prompt against 6.7 s).
