@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -85,10 +86,11 @@ class MappedEmbeddings:
 def map_stored(stored: StoredTensor) -> torch.Tensor:
     """A read-only view of a stored tensor's bytes in its file, resident only where read (copy-on-write private
     mapping: torch needs a writable buffer, and nothing writes it)."""
-    nbytes = math.prod(stored.shape) * stored.dtype.itemsize
+    count = math.prod(stored.shape)
     start = stored.offset - stored.offset % mmap.ALLOCATIONGRANULARITY
-    mapping = mmap.mmap(stored.fd, stored.offset - start + nbytes, access=mmap.ACCESS_COPY, offset=start)
-    flat = torch.frombuffer(mapping, dtype=stored.dtype, count=math.prod(stored.shape), offset=stored.offset - start)
+    length = stored.offset - start + count * stored.dtype.itemsize
+    mapping = mmap.mmap(stored.fd, length, access=mmap.ACCESS_COPY, offset=start)
+    flat = torch.frombuffer(mapping, dtype=stored.dtype, count=count, offset=stored.offset - start)
     return flat.view(stored.shape)
 
 
@@ -98,9 +100,7 @@ def plan_mapped_embeddings(model: nn.Module, dtype: torch.dtype, names: Iterable
     MappedEmbedding of the served `dtype`."""
     renames: tuple[tuple[str, str], ...] = getattr(model, "checkpoint_renames", ())
     stored = {renamed(name, renames) for name in names}
-    counts: dict[int, int] = {}
-    for _, param in model.named_parameters(remove_duplicate=False):
-        counts[id(param)] = counts.get(id(param), 0) + 1
+    counts = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     adapt = getattr(model, "adapt_checkpoint_tensor", None)
     modules: dict[str, MappedEmbedding] = {}
     for path, module in list(model.named_modules()):
