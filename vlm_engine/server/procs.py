@@ -83,7 +83,15 @@ def init_child(name: str, log_level: str, side: bool, nice: int = 10, uses_torch
         torch.set_num_threads(1)
 
 
+_serving = False  # set once serve_forever's loop runs: from then on SIGTERM unwinds through close()
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    # Before the main loop a child holds nothing to close, and a SystemExit raised there can land
+    # in a finalizer (a regex object's __del__ during an import), which swallows it with a printed
+    # traceback and lets start-up go on: leave at once instead.
+    if not _serving:
+        exit_child(0)
     raise SystemExit(0)
 
 
@@ -98,8 +106,10 @@ def exit_child(code: int = 0) -> None:
 
 def serve_forever(name: str, loop: Callable[[Callable[[], bool]], None], close: Callable[[], None]) -> None:
     """Run a child's main loop until SIGTERM (exit 0), a dead parent (0) or a crash (1, logged)."""
+    global _serving
     parent = os.getppid()
     code = 0
+    _serving = True
     try:
         loop(lambda: os.getppid() == parent)
     except SystemExit as exc:
