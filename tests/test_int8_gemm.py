@@ -107,6 +107,35 @@ def test_bf16_rows_equal_the_decode_kernel_on_them_widened(ops: Any, gemm: Any, 
         assert torch.equal(got, want), (m, n, k)
 
 
+@pytest.mark.parametrize("span", [64, 128, 256])
+def test_int4_scales_per_group_of_inputs_equal_them_repeated_per_32(ops: Any, gemm: Any, span: int) -> None:
+    """A checkpoint's int4 groups of `span` inputs keep one (d, m) each (scales [P][K/span][2][16]): the decode
+    kernel, every GEMM path (fp32 and bf16 rows) and the dequantizer read group g's pair at g >> log2(span / 32)
+    and give the numbers of that pair repeated in every block of 32, bit for bit."""
+    repeat = span // 32
+    for m, n, k in [*SHAPES, (9, 70, 384), (65, 33, 1152)]:
+        if k % span:
+            continue
+        w, b, x = _case(m, n, k, seed=m + n + span)
+        codes, scales = ops.quantize_panels(w, 4)
+        coarse = scales[:, ::repeat].contiguous()
+        repeated = coarse.repeat_interleave(repeat, dim=1)
+        assert torch.equal(ops.dequantize_panels(codes, coarse, n, 4), ops.dequantize_panels(codes, repeated, n, 4))
+        want = ops.quant_panel_linear(x, codes, repeated, n, 4, b)
+        assert torch.equal(ops.quant_panel_linear(x, codes, coarse, n, 4, b), want), (m, n, k)
+        for impl in gemm.impls():
+            for rows in (x, x.bfloat16()):
+                got = gemm.quant_gemm(rows, codes, coarse, n, 4, b, impl=impl)
+                assert torch.equal(got, gemm.quant_gemm(rows, codes, repeated, n, 4, b, impl=impl)), (m, n, k, impl)
+    w, b, x = _case(9, 70, 1152, seed=span)
+    codes, scales = ops.quantize_panels(w, 4)
+    three = scales[:, :3].contiguous()  # 3 groups for 36 blocks of 32: no power of two between them
+    with pytest.raises(RuntimeError, match="scales do not match"):
+        ops.quant_panel_linear(x, codes, three, 70, 4, b)
+    with pytest.raises(RuntimeError, match="scales do not match"):
+        gemm.quant_gemm(x, codes, three, 70, 4, b)
+
+
 def test_rows_with_a_stride_and_the_argument_checks(ops: Any, gemm: Any) -> None:
     w, b, x = _case(9, 48, 128, seed=3)
     codes, scales = ops.quantize_panels(w, 8)

@@ -281,6 +281,8 @@ def test_panels_from_codes_stand_for_the_checkpoint_weights(
     grouped = _grouped(bits, group_size, asymmetric, act_order)
     layer = QuantizedLinear.from_grouped(grouped, ops)
     assert layer is not None and (layer.input_order is not None) == act_order
+    # int4 keeps one (d, m) per checkpoint group; int8 one d per 32 inputs.
+    assert layer.scales.shape[1] == grouped.shape[1] // (group_size if bits == 4 else 32)
     want, got = grouped.dequantize(), layer.dequantized_weight()
     # d * q: d's fp16 rounding (2^-11 relative) times the code; m = -d z rounded once more.
     bound = grouped.scales.max() * 2**-11 * (1 << bits) * 2

@@ -26,6 +26,10 @@ bf16 rows an int8 layer computes in bf16 (int8_gemm's `wo_gemm`: prefill-sized p
 dot kernel's speed, where the integer GEMM ran at ~0.75x it), on layers of up to `WO_MAX_WEIGHTS` weights:
 with both threads and 7B-sized layers the integer GEMM is the faster one.
 
+A checkpoint's own int4 groups (AWQ, GPTQ, compressed-tensors: 128 inputs, most often) keep one (d, m) per
+group, not one per 32 (`grouped_panels`): the kernels read block b's at b >> s, and a weight with its share of
+the scales takes 4.25 bits at groups of 128, not 5.
+
 Which linears: the text decoder's (`int4`: 4 bits; `int8`: 8 bits) and the LM head (8 bits in both,
 as llama.cpp's Q4 files keep the output projection in Q8_0). The vision encoders stay in the
 model's dtype unless `quantize_vision` (8 bits): they run once per image, where compute, not
@@ -268,8 +272,9 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
     kernel must read x in (act-order; None for column order), or None where the panels cannot hold them.
 
     Our blocks are llama.cpp's: 32 inputs with one fp16 scale d (and for int4 a minimum m), w = d * q (+ m).
-    A group of a multiple of 32 inputs repeats its scale in each block; act-order inputs are sorted by group
-    first (stable), which makes each group contiguous. int4: q in 0..15, unsigned codes q - z -> d = s,
+    int4: groups of 32 << s inputs (AWQ's and GPTQ's 128: s = 2; the largest s that fits) keep one (d, m)
+    each, which the kernels read at block >> s; int8 repeats a group's scale in each block of 32. Act-order
+    inputs are sorted by group first (stable), which makes each group contiguous. int4: q in 0..15, unsigned codes q - z -> d = s,
     m = -s * z (signed codes: z = 8), plus the group's offset where it has one (GGUF's Q4_1 / Q4_K minimum); int8:
     signed codes, no zero point (Q8_0), or unsigned ones whose zero point is 128 everywhere, and no offset (our int8
     kernels apply no minimum). d and m are rounded to fp16: fast mode's tolerance.
@@ -284,10 +289,10 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
             order = None
         else:
             codes, groups = codes.index_select(1, order), groups[order]
-    blocks = groups.view(-1, GROUP)
-    if not bool((blocks == blocks[:, :1]).all()):
+    span = _scale_span(groups) if bits == 4 else GROUP
+    if span is None:
         return None  # a group boundary inside a block of 32
-    block_group = blocks[:, 0]
+    block_group = groups[::span]
     scale = grouped.scales.float()[:, block_group]
     offset = 1 << (bits - 1)
     signed = grouped.zeros is None
@@ -311,6 +316,17 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
     if not bool(torch.isfinite(d).all() and torch.isfinite(m).all()):
         return None  # beyond fp16's range
     return panel_codes, _panel_scales(d, m), order
+
+
+def _scale_span(groups: torch.Tensor) -> int | None:
+    """The most inputs, 32 << s, whose every run of that length lies in one group: one (d, m) serves each run."""
+    span = None
+    while (candidate := GROUP if span is None else 2 * span) <= groups.numel() and groups.numel() % candidate == 0:
+        runs = groups.view(-1, candidate)
+        if not bool((runs == runs[:, :1]).all()):
+            break
+        span = candidate
+    return span
 
 
 def _padded_panels(values: torch.Tensor) -> torch.Tensor:
@@ -347,7 +363,7 @@ def _int4_panels(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _panel_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """fp16 d, m [out, in/32] -> int16 bits [P][in/32][2][16] (d, then m)."""
+    """fp16 d, m [out, groups] -> int16 bits [P][groups][2][16] (d, then m)."""
     both = torch.stack([_padded_panels(d), _padded_panels(m)], dim=2)  # [P, 16, 2, in/32]
     return both.permute(0, 3, 2, 1).contiguous().view(torch.int16)
 

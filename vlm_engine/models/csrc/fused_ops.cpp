@@ -722,7 +722,10 @@ bool panel_linear_vectorized() { return kPanelVectorized; }
 // Layout, so that one 32-bit lane holds one output column's codes for 4 consecutive inputs: panels
 // of 16 output rows, codes [P][K/4][64] (int8: bytes 4c..4c+3 of a block are column c's inputs
 // 4b..4b+3) or [P][K/8][64] (int4: byte 4c+j holds column c's input 8b+j in its low nibble and
-// input 8b+4+j in its high one), scales [P][K/32][2][16] (d, then m).
+// input 8b+4+j in its high one), scales [P][K/32 >> shift][2][16] (d, then m): a checkpoint's group of
+// 32 << shift inputs (AWQ's and GPTQ's 128: shift 2) keeps one (d, m) per group, not one per 32 inputs
+// (at 4 bits a repeated pair costs a bit per weight: 0.6 GB of a 7B's 4.1), and the kernels read group
+// g's pair at g >> shift; our own panels and GGUF's blocks have shift 0.
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockBytes = 4 * kPanel;  // one 4-input (int8) or 8-input (int4) block of a panel
 
@@ -794,6 +797,18 @@ inline int code_at(const uint8_t* panel, int64_t bits, int64_t c, int64_t kk) {
   return kk % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
 }
 
+// log2 of the groups of 32 inputs that share one (d, m) in `scales` (see the layout above).
+int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
+  const int64_t groups = k / kGroup, per_group = panels * 2 * kPanel;
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() > 0 && scales.numel() % per_group == 0, "scales do not match the codes");
+  const int64_t scale_groups = scales.numel() / per_group;
+  int64_t shift = 0;
+  while ((scale_groups << shift) < groups) ++shift;
+  TORCH_CHECK((scale_groups << shift) == groups, "scales do not match the codes: ", scale_groups,
+              " groups for ", groups, " groups of 32 inputs");
+  return shift;
+}
+
 int64_t codes_inputs(const at::Tensor& codes, int64_t bits) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
@@ -802,7 +817,8 @@ int64_t codes_inputs(const at::Tensor& codes, int64_t bits) {
 
 // The weights the codes stand for, [N, K] fp32 (tests, and the reference the kernel must equal).
 at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& scales, int64_t n, int64_t bits) {
-  const int64_t panels = codes.size(0), k = codes_inputs(codes, bits), groups = k / kGroup;
+  const int64_t panels = codes.size(0), k = codes_inputs(codes, bits);
+  const int64_t shift = scale_shift(scales, panels, k), scale_groups = (k / kGroup) >> shift;
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   at::Tensor out = at::empty({n, k}, codes.options().dtype(at::kFloat));
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
@@ -812,7 +828,7 @@ at::Tensor dequantize_panels(const at::Tensor& codes, const at::Tensor& scales, 
     const int64_t p = row / kPanel, c = row % kPanel;
     const uint8_t* panel = cp + p * codes.size(1) * kBlockBytes;
     for (int64_t kk = 0; kk < k; ++kk) {
-      const uint16_t* sc = qp + ((p * groups + kk / kGroup) * 2) * kPanel;
+      const uint16_t* sc = qp + ((p * scale_groups + ((kk / kGroup) >> shift)) * 2) * kPanel;
       op[row * k + kk] = half_value(sc[c]) * code_at(panel, bits, c, kk) + half_value(sc[kPanel + c]);
     }
   }
@@ -884,7 +900,8 @@ inline __m256i broadcast4(const int8_t* q) {
 // overlaps), scaled into fp32 accumulators once per group.
 template <int Bits, int MR>
 inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* codes,
-                             const uint16_t* scales, const float* bias, float* y, int64_t ys, int64_t ncols) {
+                             const uint16_t* scales, int64_t shift, const float* bias, float* y, int64_t ys,
+                             int64_t ncols) {
   constexpr int C = MR == 1 ? 2 : 1;
   const int64_t groups = k / kGroup;
   const int8_t* qx = xq.qx.data() + row0 * k;
@@ -936,7 +953,7 @@ inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, c
         s_hi[0][r] = _mm256_add_epi32(s_hi[0][r], s_hi[1][r]);
       }
     }
-    const uint16_t* sc = scales + g * 2 * kPanel;
+    const uint16_t* sc = scales + (g >> shift) * 2 * kPanel;
     const __m256 d_lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
     const __m256 d_hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 8)));
     for (int r = 0; r < MR; ++r) {
@@ -978,7 +995,8 @@ inline void quantize_group(const float* x, int8_t* q, float* d_out, float* sum_o
 
 template <int Bits, int MR>
 inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, const uint8_t* codes,
-                             const uint16_t* scales, const float* bias, float* y, int64_t ys, int64_t ncols) {
+                             const uint16_t* scales, int64_t shift, const float* bias, float* y, int64_t ys,
+                             int64_t ncols) {
   const int64_t groups = k / kGroup;
   for (int r = 0; r < MR; ++r) {
     const int8_t* qx = xq.qx.data() + (row0 + r) * k;
@@ -987,7 +1005,7 @@ inline void quant_panel_rows(const QuantizedRows& xq, int64_t row0, int64_t k, c
       for (int64_t g = 0; g < groups; ++g) {
         int32_t dot = 0;
         for (int64_t i = g * kGroup; i < (g + 1) * kGroup; ++i) dot += code_at(codes, Bits, c, i) * qx[i];
-        const uint16_t* sc = scales + g * 2 * kPanel;
+        const uint16_t* sc = scales + (g >> shift) * 2 * kPanel;
         const int64_t at = (row0 + r) * groups + g;
         acc += half_value(sc[c]) * xq.dx[at] * static_cast<float>(dot) + half_value(sc[kPanel + c]) * xq.sum[at];
       }
@@ -1016,7 +1034,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
   const int64_t m = x.size(0), k = x.size(1), panels = codes.size(0), blocks = codes.size(1);
   const int64_t weight_inputs = codes_inputs(codes, bits);
   TORCH_CHECK(weight_inputs == k, "x has ", k, " features, the weight ", weight_inputs);
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * (k / kGroup) * 2 * kPanel, "scales do not match the codes");
+  const int64_t shift = scale_shift(scales, panels, k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -1028,7 +1046,7 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
   const uint8_t* cp = static_cast<const uint8_t*>(codes.data_ptr());
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>());
   float* yp = y.data_ptr<float>();
-  const int64_t scale_count = (k / kGroup) * 2 * kPanel;
+  const int64_t scale_count = ((k / kGroup) >> shift) * 2 * kPanel;
   auto run = [&](auto bits_tag) {
     constexpr int B = decltype(bits_tag)::value;
     at::parallel_for(0, panels, 4, [&](int64_t begin, int64_t end) {
@@ -1038,8 +1056,8 @@ at::Tensor quant_panel_linear(const at::Tensor& x, const at::Tensor& codes, cons
         const int64_t c0 = p * kPanel, ncols = std::min<int64_t>(kPanel, n - c0);
         const float* b = bp ? bp + c0 : nullptr;
         int64_t r = 0;
-        for (; r + 2 <= m; r += 2) quant_panel_rows<B, 2>(xq, r, k, c, sc, b, yp + r * n + c0, n, ncols);
-        if (r < m) quant_panel_rows<B, 1>(xq, r, k, c, sc, b, yp + r * n + c0, n, ncols);
+        for (; r + 2 <= m; r += 2) quant_panel_rows<B, 2>(xq, r, k, c, sc, shift, b, yp + r * n + c0, n, ncols);
+        if (r < m) quant_panel_rows<B, 1>(xq, r, k, c, sc, shift, b, yp + r * n + c0, n, ncols);
       }
     });
   };

@@ -60,7 +60,7 @@
 namespace {
 
 constexpr int64_t kPanel = 16;       // output columns per panel
-constexpr int64_t kGroup = 32;       // inputs per scale
+constexpr int64_t kGroup = 32;       // inputs per group of x's scales; weights: 32 << Problem::scale_shift
 constexpr int64_t kBlockBytes = 64;  // one panel block: 16 columns x 4 int8 inputs, or x 8 int4 inputs
 // Cache blocking (see run): chunks of at most kRowChunk rows and kRowChunkBytes of codes of x (L2,
 // spilling to L3 at wide inputs), blocks of kWeightBlockBytes of one strip's codes (L1; without them
@@ -257,6 +257,7 @@ struct NextStrip {
 struct Problem {
   const Rows* x;
   int64_t k, n, groups, panel_bytes, panel_scales;
+  int64_t scale_shift;  // groups of 32 inputs that share one weight (d, m): 1 << scale_shift (fused_ops' layout)
   const uint8_t* codes;
   const uint16_t* scales;
   const float* bias;
@@ -362,13 +363,14 @@ void tile(const Problem& p, int64_t row0, int64_t col0, int64_t g0, int64_t g1, 
     }
     next.step();
     F d[NV];
-    for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + g * 2 * kPanel);
+    const int64_t sg = (g >> p.scale_shift) * 2 * kPanel;
+    for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + sg);
     for (int r = 0; r < MR; ++r) {
       const F dxr = V::set1f(dx[r * groups + g]);
       for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(V::mul(d[v], dxr), V::cvt(s[r][v]), acc[r][v]);
     }
     if constexpr (Bits == 4) {
-      for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + g * 2 * kPanel + kPanel);  // the minima
+      for (int v = 0; v < NV; ++v) d[v] = V::halves(sp[v] + sg + kPanel);  // the minima
       for (int r = 0; r < MR; ++r) {
         const F sr = V::set1f(xsum[r * groups + g]);
         for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(d[v], sr, acc[r][v]);
@@ -640,13 +642,25 @@ int64_t resolve(int64_t impl) {
   return -1;
 }
 
+// log2 of the groups of 32 inputs that share one weight (d, m) in `scales` [P][K/32 >> shift][2][16].
+int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
+  const int64_t groups = k / kGroup, per_group = panels * 2 * kPanel;
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() > 0 && scales.numel() % per_group == 0, "scales do not match the codes");
+  const int64_t scale_groups = scales.numel() / per_group;
+  int64_t shift = 0;
+  while ((scale_groups << shift) < groups) ++shift;
+  TORCH_CHECK((scale_groups << shift) == groups, "scales do not match the codes: ", scale_groups, " groups for ", groups,
+              " groups of 32 inputs");
+  return shift;
+}
+
 // The panels' checks for x with k features and n outputs (both products); the bias's data, or nullptr.
 const float* checked_bias(const at::Tensor& codes, const at::Tensor& scales, int64_t k, int64_t n, int64_t bits,
                           const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
-  const int64_t panels = codes.size(0), groups = k / kGroup;
+  const int64_t panels = codes.size(0);
   TORCH_CHECK(codes.size(1) * (bits == 8 ? 4 : 8) == k, "x has ", k, " features, the weight ", codes.size(1) * (bits == 8 ? 4 : 8));
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == panels * groups * 2 * kPanel, "scales do not match the codes");
+  scale_shift(scales, panels, k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -674,7 +688,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
 #if VLM_INT8_AVX2
   const Rows rows = bf16 ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
                          : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
-  const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, groups * 2 * kPanel,
+  const int64_t shift = scale_shift(scales, codes.size(0), k);
+  const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, (groups >> shift) * 2 * kPanel, shift,
                   static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                   bp, bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y16.data_ptr<at::BFloat16>() : nullptr};
   switch (path) {
@@ -704,6 +719,7 @@ at::Tensor wo_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
               "x must be a CPU bf16 [M, K] tensor with a contiguous last dim");
   const int64_t m = x.size(0), k = x.size(1);
   const float* bp = checked_bias(codes, scales, k, n, 8, bias);
+  TORCH_CHECK(scale_shift(scales, codes.size(0), k) == 0, "wo_gemm takes one scale per 32 inputs");
   TORCH_CHECK(wo_available(), "this build of the int8 GEMM has no AVX-512 BF16 path");
   at::Tensor y = at::empty({m, n}, x.options());
 #if VLM_INT8_BF16
