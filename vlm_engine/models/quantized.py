@@ -274,10 +274,11 @@ def grouped_panels(grouped: GroupedWeights) -> tuple[torch.Tensor, torch.Tensor,
     Our blocks are llama.cpp's: 32 inputs with one fp16 scale d (and for int4 a minimum m), w = d * q (+ m).
     int4: groups of 32 << s inputs (AWQ's and GPTQ's 128: s = 2; the largest s that fits) keep one (d, m)
     each, which the kernels read at block >> s; int8 repeats a group's scale in each block of 32. Act-order
-    inputs are sorted by group first (stable), which makes each group contiguous. int4: q in 0..15, unsigned codes q - z -> d = s,
-    m = -s * z (signed codes: z = 8), plus the group's offset where it has one (GGUF's Q4_1 / Q4_K minimum); int8:
-    signed codes, no zero point (Q8_0), or unsigned ones whose zero point is 128 everywhere, and no offset (our int8
-    kernels apply no minimum). d and m are rounded to fp16: fast mode's tolerance.
+    inputs are sorted by group first (stable), which makes each group contiguous. int4: q in 0..15, unsigned
+    codes q - z -> d = s, m = -s * z (signed codes: z = 8), plus the group's offset where it has one (GGUF's
+    Q4_1 / Q4_K minimum); int8: signed codes, no zero point (Q8_0), or unsigned ones whose zero point is 128
+    everywhere, and no offset (our int8 kernels apply no minimum). d and m are rounded to fp16: fast mode's
+    tolerance.
     """
     bits, inputs = grouped.bits, grouped.shape[1]
     if bits not in (4, 8) or inputs % GROUP:
@@ -364,7 +365,7 @@ def _int4_panels(codes: torch.Tensor) -> torch.Tensor:
 
 def _panel_scales(d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """fp16 d, m [out, groups] -> int16 bits [P][groups][2][16] (d, then m)."""
-    both = torch.stack([_padded_panels(d), _padded_panels(m)], dim=2)  # [P, 16, 2, in/32]
+    both = torch.stack([_padded_panels(d), _padded_panels(m)], dim=2)  # [P, 16, 2, groups]
     return both.permute(0, 3, 2, 1).contiguous().view(torch.int16)
 
 
