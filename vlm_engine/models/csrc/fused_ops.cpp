@@ -20,6 +20,8 @@
 
 #include <torch/extension.h>
 
+#include "panel_scales.h"
+
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -797,16 +799,9 @@ inline int code_at(const uint8_t* panel, int64_t bits, int64_t c, int64_t kk) {
   return kk % 8 < 4 ? (byte & 0x0F) : (byte >> 4);
 }
 
-// log2 of the groups of 32 inputs that share one (d, m) in `scales` (see the layout above).
-int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
-  const int64_t groups = k / kGroup, per_group = panels * 2 * kPanel;
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() > 0 && scales.numel() % per_group == 0, "scales do not match the codes");
-  const int64_t scale_groups = scales.numel() / per_group;
-  int64_t shift = 0;
-  while ((scale_groups << shift) < groups) ++shift;
-  TORCH_CHECK((scale_groups << shift) == groups, "scales do not match the codes: ", scale_groups,
-              " groups for ", groups, " groups of 32 inputs");
-  return shift;
+// log2 of the groups of 32 inputs that share one (d, m) in `scales` (panel_scales.h).
+inline int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
+  return vlm_panels::scale_shift(scales, panels, k, kGroup, kPanel);
 }
 
 int64_t codes_inputs(const at::Tensor& codes, int64_t bits) {

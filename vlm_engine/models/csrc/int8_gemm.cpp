@@ -26,6 +26,8 @@
 
 #include <torch/extension.h>
 
+#include "panel_scales.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -642,16 +644,9 @@ int64_t resolve(int64_t impl) {
   return -1;
 }
 
-// log2 of the groups of 32 inputs that share one weight (d, m) in `scales` [P][K/32 >> shift][2][16].
-int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
-  const int64_t groups = k / kGroup, per_group = panels * 2 * kPanel;
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() > 0 && scales.numel() % per_group == 0, "scales do not match the codes");
-  const int64_t scale_groups = scales.numel() / per_group;
-  int64_t shift = 0;
-  while ((scale_groups << shift) < groups) ++shift;
-  TORCH_CHECK((scale_groups << shift) == groups, "scales do not match the codes: ", scale_groups, " groups for ", groups,
-              " groups of 32 inputs");
-  return shift;
+// log2 of the groups of 32 inputs that share one (d, m) in `scales` (panel_scales.h).
+inline int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) {
+  return vlm_panels::scale_shift(scales, panels, k, kGroup, kPanel);
 }
 
 // The panels' checks for x with k features and n outputs (both products); the bias's data, or nullptr.
