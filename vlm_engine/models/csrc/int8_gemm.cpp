@@ -649,13 +649,14 @@ inline int64_t scale_shift(const at::Tensor& scales, int64_t panels, int64_t k) 
   return vlm_panels::scale_shift(scales, panels, k, kGroup, kPanel);
 }
 
-// The panels' checks for x with k features and n outputs (both products); the bias's data, or nullptr.
+// The panels' checks for x with k features and n outputs (both products); the bias's data, or nullptr, and
+// the scales' shift (scale_shift) in `shift`.
 const float* checked_bias(const at::Tensor& codes, const at::Tensor& scales, int64_t k, int64_t n, int64_t bits,
-                          const std::optional<at::Tensor>& bias) {
+                          const std::optional<at::Tensor>& bias, int64_t& shift) {
   TORCH_CHECK(codes.dim() == 3 && codes.is_contiguous() && codes.size(2) == kBlockBytes, "codes must come from quantize_panels");
   const int64_t panels = codes.size(0);
   TORCH_CHECK(codes.size(1) * (bits == 8 ? 4 : 8) == k, "x has ", k, " features, the weight ", codes.size(1) * (bits == 8 ? 4 : 8));
-  scale_shift(scales, panels, k);
+  shift = scale_shift(scales, panels, k);
   TORCH_CHECK(n > (panels - 1) * kPanel && n <= panels * kPanel, "n does not match the panels");
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -672,7 +673,8 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || bf16) && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU fp32 or bf16 [M, K] tensor with a contiguous last dim");
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
-  const float* bp = checked_bias(codes, scales, k, n, bits, bias);
+  int64_t shift = 0;
+  const float* bp = checked_bias(codes, scales, k, n, bits, bias, shift);
   const int64_t path = resolve(impl);
   TORCH_CHECK(path > 0, "this build of the int8 GEMM has no AVX2 + FMA + F16C path");
   // The sums in fp32; bf16 rows get them rounded to bf16 once at the end (nearest even, as torch's
@@ -683,7 +685,6 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Te
 #if VLM_INT8_AVX2
   const Rows rows = bf16 ? quantize_rows(x.data_ptr<at::BFloat16>(), x.stride(0), m, k)
                          : quantize_rows(x.data_ptr<float>(), x.stride(0), m, k);
-  const int64_t shift = scale_shift(scales, codes.size(0), k);
   const Problem p{&rows, k, n, groups, codes.size(1) * kBlockBytes, (groups >> shift) * 2 * kPanel, shift,
                   static_cast<const uint8_t*>(codes.data_ptr()), reinterpret_cast<const uint16_t*>(scales.data_ptr<int16_t>()),
                   bp, bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y16.data_ptr<at::BFloat16>() : nullptr};
@@ -713,8 +714,9 @@ at::Tensor wo_gemm(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a CPU bf16 [M, K] tensor with a contiguous last dim");
   const int64_t m = x.size(0), k = x.size(1);
-  const float* bp = checked_bias(codes, scales, k, n, 8, bias);
-  TORCH_CHECK(scale_shift(scales, codes.size(0), k) == 0, "wo_gemm takes one scale per 32 inputs");
+  int64_t shift = 0;
+  const float* bp = checked_bias(codes, scales, k, n, 8, bias, shift);
+  TORCH_CHECK(shift == 0, "wo_gemm takes one scale per 32 inputs");
   TORCH_CHECK(wo_available(), "this build of the int8 GEMM has no AVX-512 BF16 path");
   at::Tensor y = at::empty({m, n}, x.options());
 #if VLM_INT8_BF16
